@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs beyond the Python venv, idempotently, on Debian 12 (as root):
+# a real etcd (integration and chaos tests), Debian's pyverbs (the RDMA fallback test), and the chart
+# and compose validators. Without root it only reports what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v etcd >/dev/null || need+=(etcd-server etcd-client)
+[ -d /usr/lib/python3/dist-packages/pyverbs ] || need+=(python3-pyverbs rdma-core)
+command -v ip >/dev/null || need+=(iproute2)
+command -v iptables >/dev/null || need+=(iptables)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "install-test-deps: not root; missing Debian packages: ${need[*]}" >&2
+  fi
+fi
+if [ -f deploy/ci/install_tools.sh ]; then
+  bash deploy/ci/install_tools.sh
+fi

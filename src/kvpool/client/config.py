@@ -1,0 +1,32 @@
+"""ClientConfig: the knobs of the in-engine client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.common import envs
+from kvpool.common.config import option
+from kvpool.common.units import parse_duration, parse_size
+
+
+@dataclass
+class ClientConfig:
+    master: str = option("", "Master address: host:port or etcd://h1:p1,h2:p2.", env=envs.KVPOOL_MASTER)
+    timeout_s: float = option(5.0, "Default deadline of one call (lookups, puts, gets).", parse=parse_duration)
+    connections_per_store: int = option(4, "TCP connections per store; large objects are striped over them.")
+    stripe_bytes: int = option(1 << 20, "Objects larger than this are split over several connections.",
+                               parse=parse_size)
+    replica_num: int = option(0, "Replicas per object (0 = the master's default).")
+    use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
+    breaker_backoff_s: float = option(0.5, "After a failed master call, fail fast for this long (doubles up to "
+                                           "breaker_max_backoff_s) before trying again.", parse=parse_duration)
+    breaker_max_backoff_s: float = option(5.0, "Longest fail-fast period of the circuit breaker.",
+                                          parse=parse_duration)
+    token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
+    cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.connections_per_store < 1:
+            raise ValueError("connections_per_store must be >= 1")

@@ -1,0 +1,248 @@
+"""The client's link to the master: the lean framed protocol for every hot call, with a connection pool,
+per-call deadlines, a circuit breaker (degraded mode: fail fast, reconnect in the background of later
+calls) and view fencing (answers from a deposed leader are refused).
+
+The master is given as its gRPC address (``host:port``) or as ``etcd://h1:p1,...``; one gRPC
+``GetClusterInfo`` call tells where the framed endpoint is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvpool.common.auth import grpc_metadata, load_token
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.log import get_logger
+from kvpool.proto import frames
+from kvpool.proto import master_pb2 as pb
+from kvpool.proto import master_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
+R = TypeVar("R")
+
+# Master answers that mean "ask another master" rather than "this call failed".
+_REDIRECT_CODES = {ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP, ErrorCode.STALE_VIEW}
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad endpoint {endpoint!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Breaker:
+    """Fail fast while the master is down; let one probe through after each backoff."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
+        self._base = backoff_s
+        self._max = max_backoff_s
+        self._backoff = backoff_s
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._open_until:
+                return False
+            if self._open_until:
+                # Half-open: this caller probes; others keep failing fast until it reports.
+                self._open_until = now + self._backoff
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self._open_until = 0.0
+            self._backoff = self._base
+
+    def failure(self) -> None:
+        with self._lock:
+            self._open_until = time.monotonic() + self._backoff
+            self._backoff = min(self._max, self._backoff * 2)
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self._open_until
+
+
+class MasterClient:
+    """Thread-safe: each call checks a connection out of the pool for its round trip."""
+
+    def __init__(self, master: str, *, token_file: str = "", cluster: str = "kvpool",
+                 breaker_backoff_s: float = 0.5, breaker_max_backoff_s: float = 5.0,
+                 resolver: Callable[[], str] | None = None) -> None:
+        if not master and resolver is None:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
+        self._resolve = resolver or _make_resolver(master, cluster)
+        self._token = load_token(token_file)
+        self._breaker = _Breaker(breaker_backoff_s, breaker_max_backoff_s)
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._rpc_endpoint = ""
+        self._grpc_endpoint = ""
+        self._max_view = 0
+        self._req_ids = itertools.count(1)
+        self.info: pb.ClusterInfoResponse | None = None
+
+    # --- discovery -----------------------------------------------------------------------------
+
+    def _discover(self, deadline: Deadline) -> str:
+        """Ask the (current) master where its framed endpoint is; remember the answer."""
+        grpc_endpoint = self._resolve()
+        with grpc.insecure_channel(grpc_endpoint) as channel:
+            stub = pb_grpc.MasterServiceStub(channel)
+            try:
+                info = stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=_timeout(deadline, 2.0),
+                                           metadata=grpc_metadata(self._token))
+            except grpc.RpcError as exc:
+                raise KvPoolError(ErrorCode.UNAVAILABLE, f"master {grpc_endpoint}: {exc.code().name}") from exc
+        with self._lock:
+            self._grpc_endpoint = grpc_endpoint
+            self._rpc_endpoint = info.rpc_endpoint
+            self.info = info
+        return info.rpc_endpoint
+
+    def invalidate(self) -> None:
+        """Forget the master's endpoints and connections (leader change, unreachable master)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._rpc_endpoint = ""
+        for sock in idle:
+            sock.close()
+
+    @property
+    def grpc_endpoint(self) -> str:
+        if not self._grpc_endpoint:
+            self._discover(Deadline(5.0))
+        return self._grpc_endpoint
+
+    # --- connections ---------------------------------------------------------------------------
+
+    def _checkout(self, deadline: Deadline) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            endpoint = self._rpc_endpoint
+        if not endpoint:
+            endpoint = self._discover(deadline)
+        sock = socket.create_connection(split_endpoint(endpoint), timeout=_timeout(deadline, 2.0))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._token:
+            self._roundtrip(sock, frames.Op.HELLO, self._token, deadline)
+        return sock
+
+    def _checkin(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < 16:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _roundtrip(self, sock: socket.socket, op: int, body: bytes, deadline: Deadline) -> bytearray:
+        sock.settimeout(_timeout(deadline, 30.0))
+        req_id = next(self._req_ids)
+        sock.sendall(frames.pack_header(op, req_id, len(body)) + body)
+        head = frames.recv_header(sock)
+        if head.req_id != req_id or head.length > frames.MAX_RPC_PAYLOAD:
+            raise KvPoolError(ErrorCode.BAD_FRAME, "response does not match the request")
+        payload = frames.recv_exact(sock, head.length)
+        if head.status != 0:
+            raise KvPoolError(as_code(head.status), f"master refused op {op}")
+        return payload
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    def call(self, op: frames.Op, request: Any, deadline: Deadline) -> Any:
+        """One hot call over the framed protocol; raises KvPoolError (UNAVAILABLE when down)."""
+        if not self._breaker.allow():
+            raise KvPoolError(ErrorCode.UNAVAILABLE, "master unreachable (circuit open)")
+        _name, _req_type, resp_type = frames.RPC_METHODS[op]
+        body = request.SerializeToString()
+        for attempt in range(2):
+            sock: socket.socket | None = None
+            try:
+                sock = self._checkout(deadline)
+                payload = self._roundtrip(sock, op, body, deadline)
+                response = resp_type.FromString(bytes(payload))
+                self._checkin(sock)
+                sock = None
+            except (OSError, KvPoolError) as exc:
+                if sock is not None:
+                    sock.close()
+                code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
+                if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
+                    raise
+                self.invalidate()
+                if attempt == 0 and not deadline.expired():
+                    continue  # a stale pooled connection (master restarted): one fresh try
+                self._breaker.failure()
+                if isinstance(exc, socket.timeout) or deadline.expired():
+                    raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
+                raise KvPoolError(ErrorCode.UNAVAILABLE, f"master call {op.name}: {exc}") from exc
+            status_code = as_code(response.status.code)
+            if not self._accept_view(response.status.view):
+                status_code = ErrorCode.STALE_VIEW
+            if status_code in _REDIRECT_CODES:
+                self.invalidate()
+                if attempt == 0 and not deadline.expired():
+                    continue
+                self._breaker.failure()
+                raise KvPoolError(status_code, response.status.message or "no serving master")
+            self._breaker.success()
+            if status_code != ErrorCode.OK:
+                raise KvPoolError(status_code, response.status.message)
+            return response
+        raise KvPoolError(ErrorCode.UNAVAILABLE, "no serving master")  # unreachable; keeps mypy sure
+
+    def _accept_view(self, view: int) -> bool:
+        """Refuse answers from a leader older than one we already heard from (a deposed leader)."""
+        with self._lock:
+            if view < self._max_view:
+                return False
+            self._max_view = view
+            return True
+
+    def grpc_call(self, method: str, request: Any, timeout: float = 10.0) -> Any:
+        """A control-plane call over gRPC (admin, stats); raises KvPoolError."""
+        with grpc.insecure_channel(self.grpc_endpoint) as channel:
+            stub = pb_grpc.MasterServiceStub(channel)
+            try:
+                response = getattr(stub, method)(request, timeout=timeout, metadata=grpc_metadata(self._token))
+            except grpc.RpcError as exc:
+                self.invalidate()
+                raise KvPoolError(ErrorCode.UNAVAILABLE, f"{method}: {exc.code().name} {exc.details()}") from exc
+        code = as_code(response.status.code)
+        if code != ErrorCode.OK:
+            raise KvPoolError(code, response.status.message)
+        return response
+
+    @property
+    def degraded(self) -> bool:
+        return self._breaker.is_open
+
+    def close(self) -> None:
+        self.invalidate()
+
+
+def _timeout(deadline: Deadline, cap: float) -> float:
+    remaining = deadline.remaining()
+    return cap if remaining is None else max(0.001, min(cap, remaining))
+
+
+def _make_resolver(master: str, cluster: str) -> Callable[[], str]:
+    """host:port -> itself; etcd://... -> the current leader's gRPC endpoint (watched)."""
+    if master.startswith("etcd://"):
+        from kvpool.client.leader import etcd_resolver
+
+        return etcd_resolver(master, cluster)
+    split_endpoint(master)  # validate early: a typo should fail at construction, not on first call
+    return lambda: master

@@ -1,0 +1,391 @@
+"""PoolClient: the batch API an engine calls (close to Mooncake's Python store API, so engines port).
+
+Return conventions (Mooncake's, so ported code keeps its checks): ``put``-style calls return 0 or a
+negative :class:`~kvpool.common.errors.ErrorCode`; ``get_into``-style calls return the bytes read or a
+negative code; batch calls return one int per key, in order. Whole-call failures that are the caller's
+fault (mismatched list lengths) raise ``KvPoolError``; an unreachable master gives per-key UNAVAILABLE
+(or misses for lookups) within the call's deadline: inference goes on.
+
+Every read is verified against the object's checksum and discarded if it completed after its lease.
+The client is thread-safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.client.config import ClientConfig
+from kvpool.client.master_client import MasterClient
+from kvpool.common import envs
+from kvpool.common.checksum import checksum
+from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.grants import GrantOp
+from kvpool.common.log import get_logger
+from kvpool.proto import frames
+from kvpool.proto import master_pb2 as pb
+from kvpool.transfer.base import Replica, TransferRequest, Transport
+from kvpool.transfer.registry import TransportSet
+
+log = get_logger(__name__)
+
+Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, memoryview, numpy, torch.numpy())
+
+# Codes a put maps to success: the value is immutable and already there (or on its way).
+_PUT_OK = {ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_NOT_READY}
+
+
+@dataclass(frozen=True)
+class PutConfig:
+    """Per-call placement options (Mooncake's ReplicateConfig)."""
+
+    replica_num: int = 0
+    hard_pin: bool = False
+    soft_pin_ttl_s: float = 0.0
+    preferred_segments: tuple[str, ...] = ()
+    preferred_node: str = ""
+
+    def to_proto(self, default_replicas: int, node: str) -> pb.PutConfig:
+        return pb.PutConfig(replica_num=self.replica_num or default_replicas, hard_pin=self.hard_pin,
+                            soft_pin_ttl_ms=int(self.soft_pin_ttl_s * 1000),
+                            preferred_segments=list(self.preferred_segments),
+                            preferred_node=self.preferred_node, writer_node=node)
+
+
+def ptr_view(ptr: int, size: int) -> memoryview:
+    """A writable memoryview over raw memory (SGLang's host pool hands out pointers)."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _byte_view(buf: Buffer, writable: bool) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.ndim != 1 or view.itemsize != 1 or not view.contiguous:
+        view = view.cast("B") if view.contiguous else memoryview(bytes(view))
+    if writable and view.readonly:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "destination buffer is read-only")
+    return view
+
+
+class _Counters:
+    """What the client did, for an engine to publish (``PoolClient.metrics()``)."""
+
+    FIELDS = ("puts", "put_bytes", "put_errors", "gets", "get_bytes", "get_misses", "get_errors",
+              "checksum_mismatches", "lease_expired", "lookups", "lookup_hits", "degraded_calls")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self.values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+class PoolClient:
+    """A thread-safe handle on the pool. ``PoolClient("host:port")`` or ``PoolClient.from_env()``."""
+
+    def __init__(self, master: str | None = None, *, config: ClientConfig | None = None,
+                 transports: TransportSet | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        cfg = config or ClientConfig()
+        if master:
+            cfg.master = master
+        self.config = cfg
+        self.client_id = uuid.uuid4().hex
+        self.node = envs.node_name()
+        self._clock = clock
+        self._master = MasterClient(cfg.master, token_file=cfg.token_file, cluster=cfg.cluster,
+                                    breaker_backoff_s=cfg.breaker_backoff_s,
+                                    breaker_max_backoff_s=cfg.breaker_max_backoff_s)
+        self._transports = transports or TransportSet.default(cfg, self.node)
+        self._counters = _Counters()
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> PoolClient:
+        """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...)."""
+        cfg = ClientConfig(master=envs.KVPOOL_MASTER.get(), token_file=envs.KVPOOL_TOKEN_FILE.get(),
+                           cluster=envs.KVPOOL_CLUSTER.get(), **overrides)
+        return cls(config=cfg)
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.config.timeout_s if timeout is None else timeout)
+
+    # --- lookups -------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str], timeout: float | None = None) -> list[int]:
+        """1 (present), 0 (missing) or a negative code per key (the master is unreachable)."""
+        if not keys:
+            return []
+        try:
+            resp = self._master.call(frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys)),
+                                     self._deadline(timeout))
+        except KvPoolError as exc:
+            self._counters.add(degraded_calls=1)
+            return [int(exc.code)] * len(keys)
+        hits = sum(resp.exists)
+        self._counters.add(lookups=len(keys), lookup_hits=hits)
+        return [1 if e else 0 for e in resp.exists]
+
+    def is_exist(self, key: str, timeout: float | None = None) -> int:
+        return self.batch_exists([key], timeout)[0]
+
+    def prefix_length(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        """How many leading keys are in the pool (stops at the first miss); 0 when the master is down."""
+        if not keys:
+            return 0
+        try:
+            resp = self._master.call(frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys), prefix=True),
+                                     self._deadline(timeout))
+        except KvPoolError:
+            self._counters.add(degraded_calls=1)
+            return 0
+        self._counters.add(lookups=len(keys), lookup_hits=resp.prefix_length)
+        return int(resp.prefix_length)
+
+    # --- writes --------------------------------------------------------------------------------
+
+    def put(self, key: str, value: Buffer, config: PutConfig | None = None, timeout: float | None = None) -> int:
+        return self.batch_put_from([key], [value], config, timeout)[0]
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Buffer], config: PutConfig | None = None,
+                  timeout: float | None = None) -> list[int]:
+        return self.batch_put_from(keys, values, config, timeout)
+
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Buffer], config: PutConfig | None = None,
+                       timeout: float | None = None) -> list[int]:
+        """Store each buffer under its key (zero-copy from the buffers): 0 or a negative code per key."""
+        if len(keys) != len(buffers):
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        deadline = self._deadline(timeout)
+        views = [_byte_view(b, writable=False) for b in buffers]
+        codes = [int(ErrorCode.OK)] * len(keys)
+        request = pb.BatchPutStartRequest(
+            client_id=self.client_id, keys=list(keys), sizes=[len(v) for v in views],
+            config=(config or PutConfig()).to_proto(self.config.replica_num, self.node))
+        try:
+            started = self._master.call(frames.Op.BATCH_PUT_START, request, deadline)
+        except KvPoolError as exc:
+            self._counters.add(put_errors=len(keys), degraded_calls=1)
+            return [int(exc.code)] * len(keys)
+        sums = [0] * len(keys)
+        transfers: list[tuple[int, TransferRequest]] = []
+        for i, result in enumerate(started.results):
+            code = as_code(result.code)
+            if code != ErrorCode.OK:
+                codes[i] = 0 if code in _PUT_OK else int(code)
+                continue
+            sums[i] = checksum(views[i])
+            key_bytes = keys[i].encode()
+            for desc in result.replicas:
+                transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, _replica(desc), views[i], sums[i])))
+        written = self._write_all(transfers, deadline)
+        self._finish_puts(keys, started.results, written, sums, codes, deadline)
+        ok = sum(1 for c in codes if c == 0)
+        self._counters.add(puts=ok, put_errors=len(keys) - ok,
+                           put_bytes=sum(len(v) for v, c in zip(views, codes, strict=True) if c == 0))
+        return codes
+
+    def _write_all(self, transfers: list[tuple[int, TransferRequest]], deadline: Deadline) -> dict[int, ErrorCode]:
+        """Write every replica; a key's code is its first failure (all replicas must land)."""
+        outcome: dict[int, ErrorCode] = {}
+        results = self._transports.transfer([t for _, t in transfers], deadline)
+        for (i, _), code in zip(transfers, results, strict=True):
+            if outcome.get(i, ErrorCode.OK) == ErrorCode.OK:
+                outcome[i] = code
+        return outcome
+
+    def _finish_puts(self, keys: Sequence[str], results: Any, written: dict[int, ErrorCode], sums: list[int],
+                     codes: list[int], deadline: Deadline) -> None:
+        done = [i for i, code in written.items() if code == ErrorCode.OK]
+        failed = [i for i, code in written.items() if code != ErrorCode.OK]
+        for i in failed:
+            codes[i] = int(written[i])
+        # PutEnd/PutRevoke get their own short deadline: a put whose data landed must not be lost
+        # because the transfers used up the caller's budget.
+        finish = Deadline(max(deadline.remaining() or 0.0, 1.0))
+        if done:
+            try:
+                resp = self._master.call(frames.Op.BATCH_PUT_END, pb.BatchPutEndRequest(
+                    client_id=self.client_id, keys=[keys[i] for i in done], checksums=[sums[i] for i in done]),
+                    finish)
+                for i, code in zip(done, resp.codes, strict=True):
+                    codes[i] = 0 if as_code(code) in _PUT_OK else int(code)
+            except KvPoolError as exc:
+                for i in done:
+                    codes[i] = int(exc.code)
+        if failed:
+            try:
+                self._master.call(frames.Op.BATCH_PUT_REVOKE, pb.BatchPutRevokeRequest(
+                    client_id=self.client_id, keys=[keys[i] for i in failed]), finish)
+            except KvPoolError as exc:  # the master reclaims abandoned puts after put_timeout
+                log.warning("put revoke failed (%s); the master will reclaim the space", exc)
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def get(self, key: str, timeout: float | None = None) -> bytes | None:
+        """The value, or None if the key is missing (or unreadable: see ``get_into`` for the code)."""
+        return self.batch_get([key], timeout)[0]
+
+    def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
+        deadline = self._deadline(timeout)
+        results = self._get_replicas(keys, deadline)
+        if results is None:
+            return [None] * len(keys)
+        buffers = [bytearray(r.size) if r.code == 0 else bytearray() for r in results]
+        codes = self._read_all(keys, results, [memoryview(b) for b in buffers], deadline)
+        return [bytes(b) if c >= 0 else None for b, c in zip(buffers, codes, strict=True)]
+
+    def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
+        return self.batch_get_into([key], [buffer], timeout)[0]
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer],
+                       timeout: float | None = None) -> list[int]:
+        """Read each object into its buffer (zero-copy): bytes read, or a negative code per key."""
+        if len(keys) != len(buffers):
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        deadline = self._deadline(timeout)
+        views = [_byte_view(b, writable=True) for b in buffers]
+        results = self._get_replicas(keys, deadline)
+        if results is None:
+            return [int(ErrorCode.UNAVAILABLE)] * len(keys)
+        return self._read_all(keys, results, views, deadline)
+
+    def batch_get_into_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                            timeout: float | None = None) -> list[int]:
+        """``batch_get_into`` for raw host-memory pointers (Mooncake's signature)."""
+        return self.batch_get_into(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], timeout)
+
+    def batch_put_from_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                            config: PutConfig | None = None, timeout: float | None = None) -> list[int]:
+        return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config,
+                                   timeout)
+
+    def _get_replicas(self, keys: Sequence[str], deadline: Deadline) -> list[Any] | None:
+        if not keys:
+            return []
+        try:
+            resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=list(keys)),
+                                     deadline)
+        except KvPoolError:
+            self._counters.add(degraded_calls=1, get_errors=len(keys))
+            return None
+        return list(resp.results)
+
+    def _read_all(self, keys: Sequence[str], results: list[Any], views: list[memoryview],
+                  deadline: Deadline) -> list[int]:
+        """Read each found object from one replica, falling back to the next replica on failure."""
+        codes = [0] * len(keys)
+        pending: dict[int, list[Replica]] = {}
+        for i, r in enumerate(results):
+            code = as_code(r.code)
+            if code != ErrorCode.OK:
+                codes[i] = int(code)
+            elif len(views[i]) < r.size:
+                codes[i] = int(ErrorCode.BUFFER_TOO_SMALL)
+            elif not r.replicas:
+                codes[i] = int(ErrorCode.OBJECT_NOT_FOUND)
+            else:
+                pending[i] = self._transports.order([_replica(d) for d in r.replicas])
+        while pending:
+            batch = {i: replicas.pop(0) for i, replicas in pending.items()}
+            requests = [TransferRequest(GrantOp.READ, keys[i].encode(), rep, views[i][:results[i].size])
+                        for i, rep in batch.items()]
+            for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
+                code = self._verify(code, views[i][:results[i].size], results[i])
+                codes[i] = results[i].size if code == ErrorCode.OK else int(code)
+                if code == ErrorCode.OK or not pending[i] or deadline.expired():
+                    del pending[i]
+        self._count_reads(codes)
+        return codes
+
+    def _verify(self, code: ErrorCode, data: memoryview, result: Any) -> ErrorCode:
+        if code != ErrorCode.OK:
+            return code
+        if checksum(data) != result.checksum:
+            self._counters.add(checksum_mismatches=1)
+            return ErrorCode.CHECKSUM_MISMATCH
+        if self._clock.wall_ms() > result.lease_expiry_ms:
+            # The lease ran out during the transfer: the object may have been evicted and its range
+            # rewritten while we read it, so these bytes cannot be trusted even if the checksum matched.
+            self._counters.add(lease_expired=1)
+            return ErrorCode.LEASE_EXPIRED
+        return ErrorCode.OK
+
+    def _count_reads(self, codes: list[int]) -> None:
+        misses = sum(1 for c in codes if c == ErrorCode.OBJECT_NOT_FOUND)
+        ok = [c for c in codes if c >= 0]
+        self._counters.add(gets=len(ok), get_bytes=sum(ok), get_misses=misses,
+                           get_errors=len(codes) - len(ok) - misses)
+
+    # --- removal, pins, buffers, stats ----------------------------------------------------------
+
+    def remove(self, key: str, force: bool = False, timeout: float | None = None) -> int:
+        return self.batch_remove([key], force, timeout)[0]
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False, timeout: float | None = None) -> list[int]:
+        try:
+            resp = self._master.call(frames.Op.BATCH_REMOVE, pb.BatchRemoveRequest(keys=list(keys), force=force),
+                                     self._deadline(timeout))
+        except KvPoolError as exc:
+            return [int(exc.code)] * len(keys)
+        return [int(c) for c in resp.codes]
+
+    def remove_all(self, force: bool = False, prefix: str = "", timeout: float | None = None) -> int:
+        """Remove every object (whose key starts with ``prefix``); returns how many, or a negative code."""
+        try:
+            resp = self._master.call(frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=force, prefix=prefix),
+                                     self._deadline(timeout))
+        except KvPoolError as exc:
+            return int(exc.code)
+        return int(resp.removed)
+
+    def register_buffer(self, buffer: Buffer) -> int:
+        """Register host memory for zero-copy transfers (an RDMA memory region where RDMA is used)."""
+        self._transports.register_memory(_byte_view(buffer, writable=False))
+        return 0
+
+    def unregister_buffer(self, buffer: Buffer) -> int:
+        self._transports.unregister_memory(_byte_view(buffer, writable=False))
+        return 0
+
+    def stats(self, timeout: float = 10.0) -> pb.StatsResponse:
+        """The master's view of the cluster (objects, capacity, hit counters, segments)."""
+        return self._master.call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(timeout))
+
+    def metrics(self) -> dict[str, int]:
+        """This client's counters, for the engine to publish."""
+        values = self._counters.snapshot()
+        values["degraded"] = int(self._master.degraded)
+        return values
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._transports.close()
+        self._master.close()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _replica(d: pb.ReplicaDescriptor) -> Replica:
+    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac,
+                   d.tier)

@@ -1,0 +1,67 @@
+"""The only module that reads environment variables.
+
+Every variable kvpool understands is declared here once, with its type and meaning, so that
+``kvpool --help-env`` and the docs can list them and no module grows its own ``os.environ`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T", str, int, float, bool)
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        kind = type(self.default)
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+        try:
+            return kind(raw)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is not a valid {kind.__name__}") from exc
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+KVPOOL_MASTER = EnvVar("KVPOOL_MASTER", "", "Master address: host:port or etcd://h1:p1,h2:p2 (clients, stores, admin).")
+KVPOOL_CLUSTER = EnvVar("KVPOOL_CLUSTER", "kvpool", "Cluster name: the etcd key prefix and the shared-memory file prefix.")
+KVPOOL_TOKEN = EnvVar("KVPOOL_TOKEN", "", "The cluster token itself (prefer KVPOOL_TOKEN_FILE).")
+KVPOOL_TOKEN_FILE = EnvVar("KVPOOL_TOKEN_FILE", "", "A file holding the cluster token.")
+KVPOOL_LOG_LEVEL = EnvVar("KVPOOL_LOG_LEVEL", "INFO", "Log level of every kvpool process.")
+KVPOOL_LOG_JSON = EnvVar("KVPOOL_LOG_JSON", False, "Write structured (JSON) log lines.")
+KVPOOL_FAILPOINTS = EnvVar("KVPOOL_FAILPOINTS", "", "Comma-separated failpoints to enable (tests only).")
+KVPOOL_TEST_RDMA_DEVICE = EnvVar("KVPOOL_TEST_RDMA_DEVICE", "", "Run the opt-in RDMA test on this device (e.g. mlx5_0).")
+KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
+KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
+
+ALL = [
+    KVPOOL_MASTER,
+    KVPOOL_CLUSTER,
+    KVPOOL_TOKEN,
+    KVPOOL_TOKEN_FILE,
+    KVPOOL_LOG_LEVEL,
+    KVPOOL_LOG_JSON,
+    KVPOOL_FAILPOINTS,
+    KVPOOL_TEST_RDMA_DEVICE,
+    KVPOOL_NODE,
+    KVPOOL_DISABLE_SHM,
+]
+
+
+def node_name() -> str:
+    """The node name stores and clients report; same-node detection compares these."""
+    import socket
+
+    return KVPOOL_NODE.get() or socket.gethostname()

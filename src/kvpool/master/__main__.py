@@ -1,0 +1,3 @@
+from kvpool.tools.cli import main
+
+raise SystemExit(main(["master", *__import__("sys").argv[1:]]))

@@ -1,0 +1,56 @@
+"""MasterConfig: every knob of the master, with the doc that ``kvpool master --help`` shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.common import envs
+from kvpool.common.config import option
+from kvpool.common.units import parse_duration, parse_size
+
+
+@dataclass
+class MasterConfig:
+    host: str = option("127.0.0.1", "Address to listen on.")
+    port: int = option(50051, "gRPC port (control plane; the address clients and stores are given). 0 = any free port.")
+    rpc_port: int = option(0, "Port of the lean framed protocol for the engine's hot calls. 0 = any free port.")
+    metrics_port: int = option(0, "Port of the HTTP /metrics and /health endpoint. 0 = any free port, -1 = off.")
+    advertise: str = option("", "Host name other machines use to reach this master (default: --host).")
+    cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
+    etcd: str = option("", "etcd endpoints h1:p1,h2:p2 for high availability; empty = a single master, no etcd.")
+    leader_ttl_s: float = option(5.0, "Lease TTL of the leader key in etcd; a new leader also waits this long "
+                                      "before serving.", parse=parse_duration)
+    num_shards: int = option(1024, "Metadata shards (each with its own lock).")
+    lease_ttl_s: float = option(10.0, "Read lease granted by get-replicas; leased objects are never evicted.",
+                                parse=parse_duration)
+    put_timeout_s: float = option(30.0, "An unfinished put older than this is reclaimed (its writer is gone).",
+                                  parse=parse_duration)
+    store_ttl_s: float = option(10.0, "A store silent for this long is expired and its replicas dropped.",
+                                parse=parse_duration)
+    placement: str = option("free_ratio_first", "Placement policy.",
+                            choices=("free_ratio_first", "random", "local_first"))
+    eviction: str = option("lru", "Eviction policy.", choices=("lru", "fifo"))
+    default_replica_num: int = option(1, "Replicas per object when the client does not say.")
+    eviction_high_watermark: float = option(0.90, "Start evicting when this fraction of the pool is used.")
+    eviction_target: float = option(0.85, "Evict down to this fraction of the pool.")
+    eviction_sample_factor: int = option(8, "Approximate LRU: scan this many candidates per object to evict "
+                                            "(0 = scan every object).")
+    eviction_interval_s: float = option(0.05, "How often the eviction thread checks the watermark.",
+                                        parse=parse_duration)
+    soft_pin_ttl_s: float = option(1800.0, "Default soft-pin TTL.", parse=parse_duration)
+    allow_evict_soft_pinned: bool = option(True, "Evict soft-pinned objects as a last resort.")
+    max_key_bytes: int = option(512, "Longest key accepted (UTF-8 bytes).")
+    max_object_bytes: int = option(1 << 30, "Largest object accepted.", parse=parse_size)
+    max_batch: int = option(8192, "Most keys in one batch call.")
+    token_file: str = option("", "File holding the cluster token (required on every call when set).",
+                             env=envs.KVPOOL_TOKEN_FILE)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eviction_target <= self.eviction_high_watermark <= 1.0:
+            raise ValueError("need 0 < eviction_target <= eviction_high_watermark <= 1")
+        if self.num_shards < 1:
+            raise ValueError("num_shards must be >= 1")
+        if self.default_replica_num < 1:
+            raise ValueError("default_replica_num must be >= 1")
+        if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.store_ttl_s <= 0:
+            raise ValueError("lease_ttl_s, put_timeout_s and store_ttl_s must be > 0")

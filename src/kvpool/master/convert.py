@@ -1,0 +1,45 @@
+"""proto <-> master-state dataclasses, in one place (the state never sees protobuf)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.master import state as st
+from kvpool.proto import master_pb2 as pb
+
+
+def segment_spec(seg: pb.SegmentInfo, secret: bytes) -> st.SegmentSpec:
+    return st.SegmentSpec(
+        id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
+        shm_path=seg.shm_path, secret=secret, rdma_desc=seg.rdma_desc, numa_node=seg.numa_node,
+    )
+
+
+def inventory(entries: Sequence[pb.InventoryEntry]) -> list[st.InventoryItem]:
+    return [st.InventoryItem(e.key, e.offset, e.length, e.checksum, e.tier) for e in entries]
+
+
+def put_options(cfg: pb.PutConfig) -> st.PutOptions:
+    return st.PutOptions(
+        replica_num=cfg.replica_num, hard_pin=cfg.hard_pin, soft_pin_ttl_s=cfg.soft_pin_ttl_ms / 1000.0,
+        preferred_segments=tuple(int(s) for s in cfg.preferred_segments if s.isdigit()),
+        preferred_node=cfg.preferred_node, writer_node=cfg.writer_node,
+    )
+
+
+def replica(r: st.ReplicaGrant) -> pb.ReplicaDescriptor:
+    return pb.ReplicaDescriptor(
+        segment_id=r.segment_id, node=r.node, tcp_endpoint=r.tcp_endpoint, shm_path=r.shm_path,
+        offset=r.offset, length=r.length, expiry_ms=r.expiry_ms, mac=r.mac, tier=r.tier,
+    )
+
+
+def put_start_result(r: st.PutStartResult) -> pb.PutStartResult:
+    return pb.PutStartResult(code=int(r.code), replicas=[replica(x) for x in r.replicas])
+
+
+def get_result(r: st.GetResult) -> pb.GetReplicasResult:
+    return pb.GetReplicasResult(
+        code=int(r.code), size=r.size, checksum=r.checksum, lease_expiry_ms=r.lease_expiry_ms,
+        replicas=[replica(x) for x in r.replicas],
+    )

@@ -1,0 +1,42 @@
+"""``kvpool master``: run one master until SIGTERM/SIGINT (with --etcd: one of the HA replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+from kvpool.common.log import get_logger
+from kvpool.master.config import MasterConfig
+from kvpool.master.service import MasterServer
+
+log = get_logger(__name__)
+
+
+async def _serve(config: MasterConfig, ready_file: str) -> None:
+    server = MasterServer(config)
+    ha = None
+    if config.etcd:
+        from kvpool.master.ha import HaCoordinator
+
+        ha = HaCoordinator(config, server)
+    await server.start()
+    if ha is not None:
+        await ha.start()
+    if ready_file:
+        Path(ready_file).write_text(json.dumps(server.endpoints))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("master stopping")
+    if ha is not None:
+        await ha.stop()
+    await server.stop()
+
+
+def serve(config: MasterConfig, ready_file: str = "") -> int:
+    asyncio.run(_serve(config, ready_file))
+    return 0

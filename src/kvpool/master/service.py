@@ -1,0 +1,387 @@
+"""The master process: the pure MasterState behind gRPC (control plane) and the lean framed protocol
+(the engine's hot calls), plus the maintenance thread (eviction, store expiry, put reclaim) and the
+/metrics and /health endpoint.
+
+Concurrency model: one asyncio loop serves both protocols and calls MasterState directly (its
+operations are short and never block on I/O); one maintenance thread calls the periodic operations,
+which take shard locks one at a time, so lookups of other objects never stall behind a scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.common.auth import TokenChecker
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.httpserver import MetricsServer
+from kvpool.common.log import get_logger
+from kvpool.master import convert
+from kvpool.master.config import MasterConfig
+from kvpool.master.state import MasterState
+from kvpool.proto import frames
+from kvpool.proto import master_pb2 as pb
+from kvpool.proto import master_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
+
+# Methods any master answers even when it is not the leader (they describe the cluster).
+_ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
+
+
+@dataclass
+class Role:
+    """Whether this master may answer data calls, and which view its answers carry."""
+
+    serving: bool = True
+    view: int = 0
+    name: str = "standalone"  # standalone | leader | follower | candidate | warmup
+    leader: str = ""          # the leader's gRPC endpoint when this one is not it
+    followers: list[str] = field(default_factory=list)
+
+
+class MasterHandlers:
+    """Decode -> MasterState -> encode. Shared by the gRPC servicer and the framed server."""
+
+    def __init__(self, state: MasterState, config: MasterConfig, role: Role, endpoints: dict[str, str]) -> None:
+        self.state = state
+        self.config = config
+        self.role = role
+        self.endpoints = endpoints
+        self.registry = CollectorRegistry()
+        self._requests = Counter("kvpool_master_requests", "Master requests", ["op"], registry=self.registry)
+        self._latency = Histogram("kvpool_master_request_seconds", "Master request latency", ["op"],
+                                  registry=self.registry,
+                                  buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0))
+        self.registry.register(_StateCollector(state, role))
+        self._methods: dict[str, Callable[[Any], Any]] = {
+            name: getattr(self, name) for name, _req, _resp in frames.RPC_METHODS.values()
+        }
+        for name in ("MountSegment", "RemountSegment", "UnmountSegment", "Heartbeat", "SetSegmentStatus"):
+            self._methods[name] = getattr(self, name)
+
+    def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
+        return pb.Status(code=int(code), message=message, view=self.role.view, leader=self.role.leader)
+
+    def dispatch(self, method: str, request: Any, response_type: type) -> Any:
+        """Run one call; a follower or a bad request gets an error status, never an exception."""
+        started = time.perf_counter()
+        try:
+            if not self.role.serving and method not in _ALWAYS_SERVED:
+                code = ErrorCode.NOT_LEADER if self.role.name == "follower" else ErrorCode.LEADER_WARMING_UP
+                return response_type(status=self.status(code, f"this master is {self.role.name}"))
+            return self._methods[method](request)
+        except KvPoolError as exc:
+            return response_type(status=self.status(exc.code, exc.message))
+        except Exception as exc:  # a bug must not take the master down; the caller gets INTERNAL
+            log.exception("%s failed", method)
+            return response_type(status=self.status(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._requests.labels(method).inc()
+            self._latency.labels(method).observe(time.perf_counter() - started)
+
+    def _check_batch(self, keys: Any) -> None:
+        if len(keys) > self.config.max_batch:
+            raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys > max_batch {self.config.max_batch}")
+
+    # --- cluster ---------------------------------------------------------------------------------
+
+    def GetClusterInfo(self, req: pb.ClusterInfoRequest) -> pb.ClusterInfoResponse:  # noqa: N802
+        return pb.ClusterInfoResponse(
+            status=self.status(), grpc_endpoint=self.endpoints.get("grpc", ""),
+            rpc_endpoint=self.endpoints.get("rpc", ""), metrics_endpoint=self.endpoints.get("metrics", ""),
+            cluster=self.config.cluster, lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
+            max_key_bytes=self.config.max_key_bytes, max_object_bytes=self.config.max_object_bytes,
+            max_batch=self.config.max_batch,
+        )
+
+    def GetStats(self, req: pb.StatsRequest) -> pb.StatsResponse:  # noqa: N802
+        s = self.state.stats()
+        return pb.StatsResponse(
+            status=self.status(), segments=[_segment_info(seg) for seg in s.segments], objects=s.objects,
+            capacity=s.capacity, used=s.used, hits=s.hits, misses=s.misses, evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes, puts=s.puts, reclaimed_puts=s.reclaimed_puts,
+            role=self.role.name, leader=self.role.leader or self.endpoints.get("grpc", ""),
+            followers=self.role.followers,
+        )
+
+    # --- membership ------------------------------------------------------------------------------
+
+    def MountSegment(self, req: pb.MountSegmentRequest) -> pb.MountSegmentResponse:  # noqa: N802
+        result = self.state.mount_segment(convert.segment_spec(req.segment, req.secret),
+                                          convert.inventory(req.inventory), req.remount)
+        log.info("segment %d of store %s (%s) mounted: %d objects adopted, %d rejected", req.segment.id,
+                 req.segment.store_id, req.segment.node, result.adopted, result.rejected)
+        return pb.MountSegmentResponse(status=self.status(result.code), adopted=result.adopted,
+                                       rejected=result.rejected)
+
+    RemountSegment = MountSegment
+
+    def UnmountSegment(self, req: pb.UnmountSegmentRequest) -> pb.UnmountSegmentResponse:  # noqa: N802
+        code, dropped = self.state.unmount_segment(req.segment_id, req.store_id)
+        return pb.UnmountSegmentResponse(status=self.status(code), objects_dropped=dropped)
+
+    def Heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:  # noqa: N802
+        result = self.state.heartbeat(req.store_id, list(req.segment_ids), req.freed_ack)
+        freed = [pb.FreedRange(segment_id=s, offset=o, seq=q) for s, o, q in result.freed]
+        return pb.HeartbeatResponse(status=self.status(result.code), freed=freed)
+
+    def SetSegmentStatus(self, req: pb.SegmentStatusRequest) -> pb.BatchCodesResponse:  # noqa: N802
+        codes = self.state.set_segment_status(list(req.segment_ids), int(req.status))
+        return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
+
+    # --- objects ---------------------------------------------------------------------------------
+
+    def BatchPutStart(self, req: pb.BatchPutStartRequest) -> pb.BatchPutStartResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        if len(req.sizes) != len(req.keys):
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
+        results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes),
+                                       convert.put_options(req.config))
+        return pb.BatchPutStartResponse(status=self.status(),
+                                        results=[convert.put_start_result(r) for r in results])
+
+    def BatchPutEnd(self, req: pb.BatchPutEndRequest) -> pb.BatchCodesResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        if len(req.checksums) != len(req.keys):
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and checksums differ in length")
+        codes = self.state.put_end(req.client_id, list(req.keys), list(req.checksums))
+        return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
+
+    def BatchPutRevoke(self, req: pb.BatchPutRevokeRequest) -> pb.BatchCodesResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        codes = self.state.put_revoke(req.client_id, list(req.keys))
+        return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
+
+    def BatchGetReplicas(self, req: pb.BatchGetReplicasRequest) -> pb.BatchGetReplicasResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        results = self.state.get_replicas(list(req.keys), grant_lease=not req.no_lease)
+        return pb.BatchGetReplicasResponse(status=self.status(), results=[convert.get_result(r) for r in results])
+
+    def BatchExists(self, req: pb.BatchExistsRequest) -> pb.BatchExistsResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        keys = list(req.keys)
+        if req.prefix:
+            return pb.BatchExistsResponse(status=self.status(), prefix_length=self.state.prefix_length(keys))
+        return pb.BatchExistsResponse(status=self.status(), exists=self.state.exists(keys))
+
+    def BatchRemove(self, req: pb.BatchRemoveRequest) -> pb.BatchCodesResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        codes = self.state.remove(list(req.keys), force=req.force)
+        return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
+
+    def RemoveAll(self, req: pb.RemoveAllRequest) -> pb.RemoveAllResponse:  # noqa: N802
+        return pb.RemoveAllResponse(status=self.status(), removed=self.state.remove_all(req.force, req.prefix))
+
+    def Pin(self, req: pb.PinRequest) -> pb.BatchCodesResponse:  # noqa: N802
+        self._check_batch(req.keys)
+        codes = self.state.pin(list(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
+        return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
+
+
+def _segment_info(seg: Any) -> pb.SegmentInfo:
+    return pb.SegmentInfo(
+        id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
+        shm_path=seg.shm_path, status=int(seg.status), numa_node=seg.numa_node, used=seg.used,
+        objects=seg.objects,
+    )
+
+
+class _StateCollector(Collector):
+    """Gauges read from MasterState.stats() at scrape time: no cost on the request path."""
+
+    def __init__(self, state: MasterState, role: Role) -> None:
+        self._state = state
+        self._role = role
+
+    def collect(self) -> Any:
+        s = self._state.stats()
+        simple = {
+            "kvpool_master_objects": ("Objects in the index", s.objects),
+            "kvpool_master_capacity_bytes": ("Bytes of all mounted segments", s.capacity),
+            "kvpool_master_used_bytes": ("Bytes allocated", s.used),
+            "kvpool_master_hits_total": ("Lookups that found a readable object", s.hits),
+            "kvpool_master_misses_total": ("Lookups that found nothing", s.misses),
+            "kvpool_master_evictions_total": ("Objects evicted", s.evictions),
+            "kvpool_master_evicted_bytes_total": ("Bytes evicted", s.evicted_bytes),
+            "kvpool_master_puts_total": ("Puts completed", s.puts),
+            "kvpool_master_reclaimed_puts_total": ("Abandoned puts reclaimed", s.reclaimed_puts),
+            "kvpool_master_is_leader": ("1 when this master serves", 1 if self._role.serving else 0),
+            "kvpool_master_view": ("Leader view (etcd revision)", self._role.view),
+        }
+        for name, (doc, value) in simple.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        cap = GaugeMetricFamily("kvpool_segment_capacity_bytes", "Segment size", labels=["segment", "node"])
+        used = GaugeMetricFamily("kvpool_segment_used_bytes", "Segment bytes in use", labels=["segment", "node"])
+        for seg in s.segments:
+            cap.add_metric([str(seg.id), seg.node], seg.size)
+            used.add_metric([str(seg.id), seg.node], seg.used)
+        yield cap
+        yield used
+
+
+def _make_servicer(handlers: MasterHandlers) -> pb_grpc.MasterServiceServicer:
+    """A gRPC servicer whose every method is ``handlers.dispatch`` (no per-method boilerplate)."""
+    methods: dict[str, Any] = {}
+    for method in pb.DESCRIPTOR.services_by_name["MasterService"].methods:
+        response_type = getattr(pb, method.output_type.name)
+
+        def call(self: Any, request: Any, context: Any, _m: str = method.name, _r: type = response_type) -> Any:
+            return handlers.dispatch(_m, request, _r)
+
+        methods[method.name] = call
+    return type("MasterServicer", (pb_grpc.MasterServiceServicer,), methods)()
+
+
+class FramedRpcServer:
+    """The lean hot path: the framed protocol carrying the same protobuf messages as gRPC."""
+
+    def __init__(self, handlers: MasterHandlers, auth: TokenChecker) -> None:
+        self._handlers = handlers
+        self._auth = auth
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        authed = not self._auth.required
+        try:
+            while True:
+                head = frames.unpack_header(await reader.readexactly(frames.HEADER_SIZE))
+                if head.length > frames.MAX_RPC_PAYLOAD:
+                    raise KvPoolError(ErrorCode.BAD_FRAME, f"payload of {head.length} bytes")
+                payload = await reader.readexactly(head.length)
+                if head.op == frames.Op.PING:
+                    writer.write(frames.pack_header(head.op, head.req_id, 0))
+                    continue
+                if head.op == frames.Op.HELLO:
+                    authed = self._auth.check(payload)
+                    code = ErrorCode.OK if authed else ErrorCode.AUTH_FAILED
+                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(code)))
+                    if not authed:
+                        await writer.drain()
+                        return
+                    continue
+                method = frames.RPC_METHODS.get(head.op)
+                if method is None:
+                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(ErrorCode.UNKNOWN_OP)))
+                    await writer.drain()
+                    return
+                if not authed:
+                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(ErrorCode.AUTH_FAILED)))
+                    await writer.drain()
+                    return
+                name, request_type, response_type = method
+                request = request_type.FromString(payload)
+                body = self._handlers.dispatch(name, request, response_type).SerializeToString()
+                writer.write(frames.pack_header(head.op, head.req_id, len(body)) + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except KvPoolError as exc:
+            log.warning("closing RPC connection from %s: %s", peer, exc)
+        except Exception as exc:  # a malformed protobuf or a bug: close this connection only
+            log.warning("closing RPC connection from %s: %s: %s", peer, type(exc).__name__, exc)
+        finally:
+            writer.close()
+
+
+class Maintenance(threading.Thread):
+    """Periodic work outside the request path: eviction above the watermark, store expiry, put reclaim."""
+
+    def __init__(self, state: MasterState, config: MasterConfig, role: Role) -> None:
+        super().__init__(name="master-maintenance", daemon=True)
+        self._state = state
+        self._config = config
+        self._role = role
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        next_slow = 0.0
+        while not self._stop.wait(self._config.eviction_interval_s):
+            if not self._role.serving:
+                continue
+            try:
+                if self._state.needs_eviction():
+                    report = self._state.evict()
+                    log.debug("evicted %d objects (%d bytes)", report.objects, report.bytes)
+                now = time.monotonic()
+                if now >= next_slow:
+                    next_slow = now + 1.0
+                    for store in self._state.expire_stores():
+                        log.warning("store %s expired: no heartbeat for %.1f s", store, self._config.store_ttl_s)
+                    self._state.reclaim_abandoned_puts()
+            except Exception:
+                log.exception("maintenance pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class MasterServer:
+    """A running master: gRPC + framed RPC + metrics + maintenance around one MasterState."""
+
+    def __init__(self, config: MasterConfig, state: MasterState | None = None, role: Role | None = None) -> None:
+        self.config = config
+        self.state = state or MasterState(config)
+        self.role = role or Role()
+        self.endpoints: dict[str, str] = {}
+        self.handlers = MasterHandlers(self.state, config, self.role, self.endpoints)
+        self._auth = TokenChecker.from_file(config.token_file)
+        self._grpc: grpc.aio.Server | None = None
+        self._framed = FramedRpcServer(self.handlers, self._auth)
+        self._metrics: MetricsServer | None = None
+        self._maintenance = Maintenance(self.state, config, self.role)
+
+    async def start(self) -> None:
+        advertise = self.config.advertise or self.config.host
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
+            interceptors=[self._auth.grpc_interceptor()] if self._auth.required else None,
+        )
+        pb_grpc.add_MasterServiceServicer_to_server(_make_servicer(self.handlers), self._grpc)
+        grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if grpc_port == 0:
+            raise KvPoolError(ErrorCode.UNAVAILABLE, f"cannot listen on {self.config.host}:{self.config.port}")
+        await self._grpc.start()
+        rpc_port = await self._framed.start(self.config.host, self.config.rpc_port)
+        self.endpoints.update(grpc=f"{advertise}:{grpc_port}", rpc=f"{advertise}:{rpc_port}")
+        if self.config.metrics_port >= 0:
+            self._metrics = MetricsServer(self.config.host, self.config.metrics_port, self.handlers.registry,
+                                          self._health).start()
+            self.endpoints["metrics"] = f"{advertise}:{self._metrics.port}"
+        self._maintenance.start()
+        log.info("master serving: grpc %s, rpc %s, metrics %s", self.endpoints["grpc"], self.endpoints["rpc"],
+                 self.endpoints.get("metrics", "off"))
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        s = self.state.stats()
+        return True, {"role": self.role.name, "view": self.role.view, "objects": s.objects,
+                      "segments": len(s.segments), "used": s.used, "capacity": s.capacity}
+
+    async def stop(self) -> None:
+        self._maintenance.stop()
+        await self._framed.stop()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+        if self._metrics is not None:
+            self._metrics.stop()

@@ -1,0 +1,139 @@
+"""kvpool's lean framed protocol: one fixed header, then the payload.
+
+Used by the store's data plane (READ/WRITE of object ranges) and by the master's hot path (the same
+protobuf messages as the gRPC service, without gRPC's per-call cost: ~30 us instead of ~450 us per
+round trip in Python). Little-endian throughout.
+
+Header (28 bytes)::
+
+    magic  u32   b"KVP1"
+    op     u16   Op / RPC method id
+    flags  u16   reserved, 0
+    status i32   ErrorCode in responses, 0 in requests
+    req_id u64   echoed in the response; responses on one connection come in request order
+    length u64   payload bytes that follow
+
+Data-plane READ/WRITE payload: a fixed :data:`DESC` (the grant and the part of the object this request
+moves), the key bytes, then (WRITE only) ``part_length`` bytes of data. A READ response carries
+``part_length`` bytes. A malformed frame closes the connection; the server keeps serving others.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.grants import MAC_BYTES, Grant, GrantOp
+from kvpool.proto import master_pb2 as pb
+
+MAGIC = 0x3150564B  # b"KVP1" little-endian
+HEADER = struct.Struct("<IHHiQQ")
+HEADER_SIZE = HEADER.size
+# segment_id, obj_offset, obj_length, expiry_ms, checksum, part_offset, part_length, key_len, mac
+DESC = struct.Struct(f"<QQQQQQQH{MAC_BYTES}s")
+MAX_KEY_BYTES = 512
+MAX_RPC_PAYLOAD = 256 * 1024 * 1024
+
+
+class Op(IntEnum):
+    PING = 1
+    READ = 2
+    WRITE = 3
+    STORE_INFO = 4
+    RDMA_CONNECT = 5
+    HELLO = 6
+    """First frame of a connection when the cluster requires a token: payload = the token."""
+    # Master RPCs (the lean path), same messages as the gRPC service.
+    GET_CLUSTER_INFO = 64
+    BATCH_PUT_START = 65
+    BATCH_PUT_END = 66
+    BATCH_PUT_REVOKE = 67
+    BATCH_GET_REPLICAS = 68
+    BATCH_EXISTS = 69
+    BATCH_REMOVE = 70
+    REMOVE_ALL = 71
+    GET_STATS = 72
+    PIN = 73
+
+
+# op -> (gRPC method name, request type, response type)
+RPC_METHODS: dict[int, tuple[str, type, type]] = {
+    Op.GET_CLUSTER_INFO: ("GetClusterInfo", pb.ClusterInfoRequest, pb.ClusterInfoResponse),
+    Op.BATCH_PUT_START: ("BatchPutStart", pb.BatchPutStartRequest, pb.BatchPutStartResponse),
+    Op.BATCH_PUT_END: ("BatchPutEnd", pb.BatchPutEndRequest, pb.BatchCodesResponse),
+    Op.BATCH_PUT_REVOKE: ("BatchPutRevoke", pb.BatchPutRevokeRequest, pb.BatchCodesResponse),
+    Op.BATCH_GET_REPLICAS: ("BatchGetReplicas", pb.BatchGetReplicasRequest, pb.BatchGetReplicasResponse),
+    Op.BATCH_EXISTS: ("BatchExists", pb.BatchExistsRequest, pb.BatchExistsResponse),
+    Op.BATCH_REMOVE: ("BatchRemove", pb.BatchRemoveRequest, pb.BatchCodesResponse),
+    Op.REMOVE_ALL: ("RemoveAll", pb.RemoveAllRequest, pb.RemoveAllResponse),
+    Op.GET_STATS: ("GetStats", pb.StatsRequest, pb.StatsResponse),
+    Op.PIN: ("Pin", pb.PinRequest, pb.BatchCodesResponse),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    status: int
+    req_id: int
+    length: int
+
+
+def pack_header(op: int, req_id: int, length: int, status: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, op, 0, status, req_id, length)
+
+
+def unpack_header(raw: bytes | bytearray | memoryview) -> Header:
+    magic, op, _flags, status, req_id, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x}")
+    return Header(op, status, req_id, length)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDesc:
+    """What one READ/WRITE request moves: a part of an object, under the object's grant."""
+
+    grant: Grant
+    checksum: int
+    part_offset: int
+    part_length: int
+
+    def pack(self) -> bytes:
+        g = self.grant
+        return DESC.pack(g.segment_id, g.offset, g.length, g.expiry_ms, self.checksum,
+                         self.part_offset, self.part_length, len(g.key), g.mac) + g.key
+
+
+def unpack_desc(op: GrantOp, raw: bytes | bytearray | memoryview) -> tuple[TransferDesc, int]:
+    """Parse a DESC + key from the start of ``raw``; returns the desc and the bytes consumed."""
+    if len(raw) < DESC.size:
+        raise KvPoolError(ErrorCode.BAD_FRAME, "truncated transfer descriptor")
+    seg, off, length, expiry, csum, part_off, part_len, key_len, mac = DESC.unpack_from(raw)
+    if key_len > MAX_KEY_BYTES or len(raw) < DESC.size + key_len:
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"bad key length {key_len}")
+    key = bytes(raw[DESC.size:DESC.size + key_len])
+    grant = Grant(op, seg, off, length, expiry, key, mac)
+    return TransferDesc(grant, csum, part_off, part_len), DESC.size + key_len
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; a peer that closes early raises CONNECTION_FAILED."""
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_header(sock: socket.socket) -> Header:
+    return unpack_header(recv_exact(sock, HEADER_SIZE))

@@ -1,0 +1,37 @@
+"""StoreConfig: every knob of a store process, with the doc that ``kvpool store --help`` shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.common import envs
+from kvpool.common.config import option
+from kvpool.common.units import parse_duration, parse_size
+
+
+@dataclass
+class StoreConfig:
+    master: str = option("", "Master address: host:port or etcd://h1:p1,h2:p2.", env=envs.KVPOOL_MASTER)
+    size: int = option(1 << 30, "Bytes of DRAM this store contributes (its segment), e.g. 4GiB.", parse=parse_size)
+    host: str = option("127.0.0.1", "Address the data plane listens on.")
+    port: int = option(0, "Data-plane TCP port. 0 = any free port.")
+    metrics_port: int = option(0, "Port of the HTTP /metrics and /health endpoint. 0 = any free port, -1 = off.")
+    advertise: str = option("", "Host name clients use to reach this store (default: --host).")
+    node: str = option("", "Node name (default: KVPOOL_NODE or the hostname); same-node clients use shared memory.",
+                       env=envs.KVPOOL_NODE)
+    cluster: str = option("kvpool", "Cluster name (prefix of the shared-memory file).", env=envs.KVPOOL_CLUSTER)
+    shm_dir: str = option("/dev/shm", "Directory of the segment file (tmpfs, or a hugetlbfs mount).")
+    numa_node: int = option(-1, "Bind this store's CPUs and segment memory to this NUMA node (-1 = no binding).")
+    hugepages: str = option("", "Back the segment with hugepages: 2M or 1G (fails if unavailable; no fallback).",
+                            choices=("", "2M", "1G"))
+    ssd_dir: str = option("", "Directory of the SSD tier (empty = no SSD tier).")
+    ssd_size: int = option(0, "Bytes of the SSD tier.", parse=parse_size)
+    heartbeat_interval_s: float = option(1.0, "Heartbeat period to the master.", parse=parse_duration)
+    max_connections: int = option(1024, "Most concurrent data-plane connections.")
+    token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 << 20:
+            raise ValueError(f"--size must be at least 1 MiB, got {self.size}")
+        if self.numa_node < -1:
+            raise ValueError("--numa-node must be >= 0 (or -1 for no binding)")

@@ -1,0 +1,409 @@
+"""The store's data plane: READ/WRITE of granted object ranges straight from/into the segment over TCP.
+
+One thread per connection, blocking sockets (the data path is kernel copies, and a blocking
+``recv_into(..., MSG_WAITALL)`` of a whole part is one syscall with the GIL released). Kernel socket
+timeouts bound how long a peer can stall mid-frame; an idle connection may stay open forever, since
+clients keep persistent pools.
+
+Every READ/WRITE carries a grant signed by the master with the segment's secret. The request is checked
+in this order, and the first failure is the reply:
+
+====================================  ===================
+the segment is served here            SEGMENT_NOT_FOUND
+the grant's MAC verifies              AUTH_FAILED
+the grant has not expired (wall ms)   GRANT_EXPIRED
+part within grant, grant within seg   OUT_OF_BOUNDS
+====================================  ===================
+
+Only then are bytes moved, and only within [offset + part_offset, + part_length): the segment is never
+read or written outside the granted range. A rejected WRITE whose frame is well-formed still has its
+payload consumed (into a scratch buffer, never the segment) so the connection stays usable. A malformed
+frame (bad magic, lengths inconsistent or over the maxima) gets a BAD_FRAME reply and the connection is
+closed; an unknown op gets UNKNOWN_OP and is closed (its payload cannot be skipped safely). Other
+connections never notice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.common.clock import SYSTEM_CLOCK, Clock
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.grants import Grant, GrantOp, verify
+from kvpool.common.log import get_logger
+from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op, TransferDesc
+from kvpool.store.inventory import Inventory
+from kvpool.store.segment import ShmSegment
+from kvpool.transfer.tcp import FrameReader, send_all, set_io_timeout, tune_socket
+
+logger = get_logger(__name__)
+
+_SCRATCH_BYTES = 256 * 1024
+_MAX_READ_PAYLOAD = DESC.size + MAX_KEY_BYTES
+# struct offsets inside DESC: part_length (7th u64 -> index 6) and key_len (the u16 after it)
+_DESC_PART_LENGTH = 6
+_DESC_KEY_LEN = 7
+
+
+@dataclass
+class DataPlaneStats:
+    """Counters for metrics; ``errors`` maps an ErrorCode name to how many replies carried it."""
+
+    connections: int = 0
+    connections_total: int = 0
+    connections_rejected: int = 0
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class _ConnStats:
+    """One connection's counters, written only by its own thread (no lock on the hot path)."""
+
+    __slots__ = ("requests", "bytes_read", "bytes_written", "errors")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.errors: dict[ErrorCode, int] = {}
+
+    def error(self, code: ErrorCode) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+    def fold_into(self, total: DataPlaneStats) -> None:
+        total.requests += self.requests
+        total.bytes_read += self.bytes_read
+        total.bytes_written += self.bytes_written
+        for code, n in self.errors.items():
+            total.errors[code.name] = total.errors.get(code.name, 0) + n
+
+
+class _Close(Exception):
+    """End this connection after replying ``code`` (best effort) and logging ``message``."""
+
+    def __init__(self, code: ErrorCode, message: str, req_id: int = 0, op: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req_id = req_id
+        self.op = op
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: str
+    stats: _ConnStats
+    thread: threading.Thread | None = None
+
+
+class DataPlaneServer:
+    """Serves PING, STORE_INFO, READ and WRITE on one TCP port for the given segments."""
+
+    def __init__(self, host: str, port: int, segments: dict[int, ShmSegment], secrets: dict[int, bytes],
+                 inventory: Inventory, max_connections: int = 1024, clock: Clock = SYSTEM_CLOCK,
+                 store_info: Callable[[], dict[str, Any]] | None = None, stall_timeout_s: float = 30.0,
+                 socket_buffer: int = 4 << 20) -> None:
+        self.host = host
+        self.port = port
+        self._inventory = inventory
+        self._max_connections = max_connections
+        self._clock = clock
+        self._store_info = store_info
+        self._stall_timeout_s = stall_timeout_s
+        self._socket_buffer = socket_buffer
+        # Copy-on-write: the hot path reads these dicts without a lock; changes replace them whole.
+        self._segments: dict[int, ShmSegment] = dict(segments)
+        self._secrets: dict[int, bytes] = dict(secrets)
+        self._max_part = max((s.size for s in self._segments.values()), default=0)
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._totals = DataPlaneStats()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Bind and start accepting; ``port`` is the bound port afterwards."""
+        if self._listener is not None:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "data plane already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.create_server((self.host, self.port), family=family, backlog=1024, reuse_port=False)
+        self.port = listener.getsockname()[1]
+        self._wake_r, self._wake_w = os.pipe()
+        self._listener = listener
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvpool-dp-accept-{self.port}",
+                                          daemon=True)
+        self._acceptor.start()
+        logger.info("data plane listening on %s:%d (%d segments)", self.host, self.port, len(self._segments))
+
+    def stop(self) -> None:
+        """Close the listener and every connection, and join all threads. Safe to call twice."""
+        with self._lock:
+            if self._stopping or self._listener is None:
+                self._stopping = True
+                return
+            self._stopping = True
+        os.write(self._wake_w, b"x")
+        if self._acceptor is not None:
+            self._acceptor.join()
+        self._listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            _shutdown(conn.sock)  # wakes its thread from recv/send
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join()
+
+    def __enter__(self) -> DataPlaneServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ segments
+    def add_segment(self, segment: ShmSegment, secret: bytes) -> None:
+        with self._lock:
+            self._segments = {**self._segments, segment.id: segment}
+            self._secrets = {**self._secrets, segment.id: secret}
+            self._max_part = max(s.size for s in self._segments.values())
+
+    def remove_segment(self, segment_id: int) -> None:
+        """Stop serving a segment (requests in flight on it finish; new ones get SEGMENT_NOT_FOUND)."""
+        with self._lock:
+            self._segments = {k: v for k, v in self._segments.items() if k != segment_id}
+            self._secrets = {k: v for k, v in self._secrets.items() if k != segment_id}
+            self._max_part = max((s.size for s in self._segments.values()), default=0)
+
+    # ------------------------------------------------------------------ metrics
+    def statistics(self) -> DataPlaneStats:
+        with self._lock:
+            t = self._totals
+            snap = DataPlaneStats(len(self._conns), t.connections_total, t.connections_rejected, t.requests,
+                                  t.bytes_read, t.bytes_written, dict(t.errors))
+            live = [c.stats for c in self._conns]
+        for stats in live:  # racy reads of ints written by other threads: fine for metrics
+            stats.fold_into(snap)
+        return snap
+
+    # ------------------------------------------------------------------ accepting
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in sel.select():
+                    if key.fd == self._wake_r:
+                        return
+                    try:
+                        sock, addr = listener.accept()
+                    except OSError as exc:  # EMFILE, ECONNABORTED...: keep serving the others
+                        logger.warning("data plane accept failed: %s", exc)
+                        time.sleep(0.01)
+                        continue
+                    self._admit(sock, _peer_name(addr))
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        with self._lock:
+            full = len(self._conns) >= self._max_connections or self._stopping
+            if full:
+                self._totals.connections_rejected += 1
+            else:
+                conn = _Conn(sock, peer, _ConnStats())
+                self._conns.add(conn)
+                self._totals.connections_total += 1
+        if full:
+            logger.warning("data plane: %s refused, %d connections open", peer, self._max_connections)
+            _reply_and_close(sock, ErrorCode.TOO_MANY_CONNECTIONS, 0, 0)
+            return
+        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"kvpool-dp-{peer}",
+                                       daemon=True)
+        conn.thread.start()
+
+    # ------------------------------------------------------------------ one connection
+    def _serve(self, conn: _Conn) -> None:
+        sock = conn.sock
+        try:
+            sock.settimeout(None)
+            tune_socket(sock, self._socket_buffer)
+            set_io_timeout(sock, self._stall_timeout_s)
+            self._loop(conn, FrameReader(sock))
+        except _Close as exc:
+            conn.stats.error(exc.code)
+            logger.warning("data plane: closing %s: %s: %s", conn.peer, exc.code.name, exc)
+            _reply_and_close(sock, exc.code, exc.req_id, exc.op)
+        except BlockingIOError:
+            logger.warning("data plane: closing %s: stalled for %.0f s mid-frame", conn.peer,
+                           self._stall_timeout_s)
+        except (KvPoolError, OSError) as exc:
+            logger.debug("data plane: %s gone: %s", conn.peer, exc)
+        except Exception:
+            logger.exception("data plane: error serving %s", conn.peer)
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns.discard(conn)
+                conn.stats.fold_into(self._totals)
+
+    def _loop(self, conn: _Conn, reader: FrameReader) -> None:
+        scratch: memoryview | None = None
+        stats = conn.stats
+        while True:
+            if not self._wait_for_frame(reader):
+                return
+            magic, op, _flags, _status, req_id, length = HEADER.unpack(reader.read(HEADER_SIZE))
+            if magic != MAGIC:
+                raise _Close(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x}")
+            stats.requests += 1
+            if op == Op.READ:
+                self._read(conn, reader, req_id, length)
+            elif op == Op.WRITE:
+                if scratch is None:
+                    scratch = memoryview(bytearray(_SCRATCH_BYTES))
+                self._write(conn, reader, req_id, length, scratch)
+            elif op == Op.PING:
+                self._expect_empty(op, req_id, length)
+                self._reply(conn, op, req_id, ErrorCode.OK)
+            elif op == Op.STORE_INFO:
+                self._expect_empty(op, req_id, length)
+                payload = json.dumps(self._info()).encode()
+                send_all(conn.sock, HEADER.pack(MAGIC, op, 0, 0, req_id, len(payload)), memoryview(payload))
+            else:
+                raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
+
+    def _wait_for_frame(self, reader: FrameReader) -> bool:
+        """Block until the next frame starts; an idle connection may wait forever. False on a clean EOF."""
+        while True:
+            try:
+                return reader.wait_readable()
+            except BlockingIOError:  # the stall timeout fired between frames: that is only idleness
+                if self._stopping:
+                    return False
+
+    @staticmethod
+    def _expect_empty(op: int, req_id: int, length: int) -> None:
+        if length:
+            raise _Close(ErrorCode.BAD_FRAME, f"op {op} with a {length}-byte payload", req_id, op)
+
+    def _read(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        if not DESC.size <= length <= _MAX_READ_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"READ payload of {length} bytes", req_id, Op.READ)
+        raw = reader.read(length)
+        fields = DESC.unpack_from(raw)
+        if fields[_DESC_KEY_LEN] != length - DESC.size:
+            raise _Close(ErrorCode.BAD_FRAME,
+                         f"READ payload of {length} bytes, key of {fields[_DESC_KEY_LEN]}", req_id, Op.READ)
+        desc = _desc(GrantOp.READ, fields, bytes(raw[DESC.size:]))
+        code, seg = self._check(desc)
+        if seg is None:
+            conn.stats.error(code)
+            self._reply(conn, Op.READ, req_id, code)
+            return
+        start = desc.grant.offset + desc.part_offset
+        data = seg.view[start:start + desc.part_length]
+        try:
+            send_all(conn.sock, HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, len(data)), data)
+        finally:
+            data.release()
+        conn.stats.bytes_read += desc.part_length
+
+    def _write(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, scratch: memoryview) -> None:
+        if length < DESC.size:
+            raise _Close(ErrorCode.BAD_FRAME, f"WRITE payload of {length} bytes", req_id, Op.WRITE)
+        fields = DESC.unpack(reader.read(DESC.size))
+        key_len, part_length = fields[_DESC_KEY_LEN], fields[_DESC_PART_LENGTH]
+        consistent = length == DESC.size + key_len + part_length
+        if key_len > MAX_KEY_BYTES or part_length > self._max_part or not consistent:
+            raise _Close(ErrorCode.BAD_FRAME,
+                         f"WRITE payload {length} != desc {DESC.size} + key {key_len} + part {part_length}"
+                         f" (max key {MAX_KEY_BYTES}, max part {self._max_part})", req_id, Op.WRITE)
+        desc = _desc(GrantOp.WRITE, fields, bytes(reader.read(key_len)))
+        code, seg = self._check(desc)
+        if seg is None:
+            reader.skip(part_length, scratch)  # keep the connection in sync; never touch the segment
+            conn.stats.error(code)
+            self._reply(conn, Op.WRITE, req_id, code)
+            return
+        g = desc.grant
+        self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
+        start = g.offset + desc.part_offset
+        dest = seg.view[start:start + part_length]
+        try:
+            reader.read_into(dest)
+        finally:
+            dest.release()
+        self._inventory.record_part(g.segment_id, g.offset, g.length, g.key, desc.checksum,
+                                    desc.part_offset, part_length)
+        conn.stats.bytes_written += part_length
+        self._reply(conn, Op.WRITE, req_id, ErrorCode.OK)
+
+    def _check(self, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
+        """Authorize one request; the segment only when every check passed."""
+        g = desc.grant
+        seg = self._segments.get(g.segment_id)
+        secret = self._secrets.get(g.segment_id)
+        if seg is None or secret is None:
+            return ErrorCode.SEGMENT_NOT_FOUND, None
+        if not verify(secret, g):
+            return ErrorCode.AUTH_FAILED, None
+        if self._clock.wall_ms() >= g.expiry_ms:
+            return ErrorCode.GRANT_EXPIRED, None
+        if desc.part_offset + desc.part_length > g.length or g.offset + g.length > seg.size:
+            return ErrorCode.OUT_OF_BOUNDS, None
+        return ErrorCode.OK, seg
+
+    @staticmethod
+    def _reply(conn: _Conn, op: int, req_id: int, code: ErrorCode) -> None:
+        conn.sock.sendall(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
+
+    def _info(self) -> dict[str, Any]:
+        if self._store_info is not None:
+            return self._store_info()
+        return {"segments": [{"id": s.id, "size": s.size, "path": s.path} for s in self._segments.values()],
+                "port": self.port}
+
+
+def _desc(op: GrantOp, fields: tuple[Any, ...], key: bytes) -> TransferDesc:
+    """A TransferDesc from DESC's unpacked fields (the layout of frames.DESC) and the key bytes."""
+    seg, off, length, expiry, csum, part_off, part_len, _key_len, mac = fields
+    return TransferDesc(Grant(op, seg, off, length, expiry, key, mac), csum, part_off, part_len)
+
+
+def _peer_name(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _reply_and_close(sock: socket.socket, code: ErrorCode, req_id: int, op: int) -> None:
+    """Best-effort error reply (never blocks on a peer that does not read), then close."""
+    try:
+        sock.send(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0), socket.MSG_DONTWAIT)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    sock.close()

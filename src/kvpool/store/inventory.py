@@ -1,0 +1,237 @@
+"""The store's inventory: which objects are fully written where, so a new master can rebuild its index.
+
+Stores are the source of truth for what they hold (DESIGN §4, "no cache loss on failover"): a leader that
+starts or takes over asks every store for its inventory and rebuilds the index and the allocators from it.
+So the inventory must never describe bytes that are not that object's bytes:
+
+* an entry appears only when every byte of the object arrived. Parts of a striped write come over several
+  connections, in any order, and may be re-sent after a timeout, so we track the received part *intervals*
+  (a byte counter would count a re-sent part twice);
+* a write into a range first drops every entry and every partial write it overlaps (``begin_write``, called
+  before the bytes land), so no entry ever describes overwritten bytes. A re-sent part of the same object
+  (same key, offset, length and checksum) keeps its entry: it rewrites identical bytes;
+* ranges the master freed are dropped with :meth:`Inventory.drop`.
+
+Memory for incomplete writes is bounded: a partial write is forgotten after ``partial_timeout_s`` without a
+new part, when it is overwritten, or when more than ``max_partials`` are pending (oldest first).
+
+Per segment, all *claims* (committed entries and partial writes) are kept non-overlapping in a list sorted
+by offset, so the claims a new write overlaps are found with one bisect.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvpool.common.clock import SYSTEM_CLOCK, Clock
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryEntry:
+    """One fully written object: what a store reports to a (new) master."""
+
+    segment_id: int
+    key: bytes
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class _Claim:
+    """An object's range on a segment: committed (``entry`` set) or still being written."""
+
+    key: bytes
+    offset: int
+    length: int
+    checksum: int
+    received: list[tuple[int, int]] = field(default_factory=list)  # sorted, disjoint [start, end)
+    touched: float = 0.0
+    entry: InventoryEntry | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def same_object(self, key: bytes, offset: int, length: int, checksum: int) -> bool:
+        return (self.offset == offset and self.length == length and self.key == key
+                and self.checksum == checksum)
+
+    def add_interval(self, start: int, end: int) -> bool:
+        """Merge [start, end) into the received set; True when [0, length) is covered."""
+        merged: list[tuple[int, int]] = []
+        placed = False
+        for lo, hi in self.received:
+            if hi < start:
+                merged.append((lo, hi))
+            elif lo > end:
+                if not placed:
+                    merged.append((start, end))
+                    placed = True
+                merged.append((lo, hi))
+            else:  # touching or overlapping: absorb
+                start, end = min(lo, start), max(hi, end)
+        if not placed:
+            merged.append((start, end))
+        self.received = merged
+        return merged[0] == (0, self.length) if merged else self.length == 0
+
+
+class _SegmentClaims:
+    """Non-overlapping claims of one segment, sorted by offset."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.by_offset: dict[int, _Claim] = {}
+        self.committed = 0
+
+    def overlapping(self, offset: int, length: int) -> list[_Claim]:
+        end = offset + max(length, 1)  # a zero-length object still owns its offset
+        i = bisect.bisect_left(self.starts, end)
+        found: list[_Claim] = []
+        while i > 0:
+            claim = self.by_offset[self.starts[i - 1]]
+            if max(claim.end, claim.offset + 1) <= offset:
+                break  # claims are disjoint and sorted, so every earlier one ends earlier too
+            found.append(claim)
+            i -= 1
+        return found
+
+    def insert(self, claim: _Claim) -> None:
+        bisect.insort(self.starts, claim.offset)
+        self.by_offset[claim.offset] = claim
+
+    def remove(self, claim: _Claim) -> None:
+        del self.by_offset[claim.offset]
+        del self.starts[bisect.bisect_left(self.starts, claim.offset)]
+        if claim.entry is not None:
+            self.committed -= 1
+
+
+class Inventory:
+    """Thread-safe map of fully written objects per segment, keyed by offset."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, partial_timeout_s: float = 60.0,
+                 max_partials: int = 65536) -> None:
+        self._clock = clock
+        self._partial_timeout_s = partial_timeout_s
+        self._max_partials = max_partials
+        self._lock = threading.Lock()
+        self._segments: dict[int, _SegmentClaims] = {}
+        # (segment_id, offset) -> claim, least recently touched first: expiry is a pop from the front
+        self._partials: OrderedDict[tuple[int, int], _Claim] = OrderedDict()
+        self._committed = 0
+
+    # ------------------------------------------------------------------ writes
+    def begin_write(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int) -> None:
+        """A part of object (key, offset, length, checksum) is about to be written: drop what it overwrites.
+
+        Called before the bytes land, so a concurrent inventory report never lists overwritten bytes.
+        """
+        with self._lock:
+            self._claim(segment_id, offset, length, key, checksum)
+            self._expire_partials()
+
+    def record_part(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int,
+                    part_offset: int, part_length: int) -> bool:
+        """Bytes [part_offset, part_offset + part_length) of the object arrived; True if it is now complete
+        (its entry was added by this call)."""
+        if part_offset < 0 or part_length < 0 or part_offset + part_length > length:
+            raise ValueError(f"part [{part_offset}, +{part_length}) outside object of {length} bytes")
+        with self._lock:
+            claim = self._claim(segment_id, offset, length, key, checksum)
+            completed = False
+            if claim.entry is None and claim.add_interval(part_offset, part_offset + part_length):
+                self._commit(segment_id, claim)
+                completed = True
+            self._expire_partials()
+            return completed
+
+    def _claim(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int) -> _Claim:
+        """The claim of this object, created (dropping everything it overlaps) if it is new."""
+        claims = self._segments.get(segment_id)
+        if claims is None:
+            claims = self._segments[segment_id] = _SegmentClaims()
+        existing = claims.by_offset.get(offset)
+        now = self._clock.monotonic()
+        if existing is not None and existing.same_object(key, offset, length, checksum):
+            if existing.entry is None:  # still partial: it is alive, move it to the young end
+                existing.touched = now
+                self._partials.move_to_end((segment_id, offset))
+            return existing
+        for old in claims.overlapping(offset, length):
+            self._forget(segment_id, claims, old)
+        claim = _Claim(key, offset, length, checksum, touched=now)
+        claims.insert(claim)
+        self._partials[(segment_id, offset)] = claim
+        return claim
+
+    def _commit(self, segment_id: int, claim: _Claim) -> None:
+        claim.entry = InventoryEntry(segment_id, claim.key, claim.offset, claim.length, claim.checksum)
+        claim.received = []
+        del self._partials[(segment_id, claim.offset)]
+        self._segments[segment_id].committed += 1
+        self._committed += 1
+
+    def _forget(self, segment_id: int, claims: _SegmentClaims, claim: _Claim) -> None:
+        claims.remove(claim)
+        if claim.entry is None:
+            self._partials.pop((segment_id, claim.offset), None)
+        else:
+            self._committed -= 1
+
+    def _expire_partials(self) -> None:
+        horizon = self._clock.monotonic() - self._partial_timeout_s
+        while self._partials:
+            (segment_id, _offset), oldest = next(iter(self._partials.items()))
+            if oldest.touched > horizon and len(self._partials) <= self._max_partials:
+                return
+            self._forget(segment_id, self._segments[segment_id], oldest)
+
+    # ------------------------------------------------------------------ master-driven changes
+    def drop(self, segment_id: int, offset: int) -> bool:
+        """The master freed the object at ``offset``: forget it (and any partial write there)."""
+        with self._lock:
+            claims = self._segments.get(segment_id)
+            claim = claims.by_offset.get(offset) if claims else None
+            if claims is None or claim is None:
+                return False
+            self._forget(segment_id, claims, claim)
+            return True
+
+    def drop_segment(self, segment_id: int) -> int:
+        """Forget a whole segment (unmounted); returns how many committed entries it had."""
+        with self._lock:
+            claims = self._segments.pop(segment_id, None)
+            if claims is None:
+                return 0
+            for key in [k for k in self._partials if k[0] == segment_id]:
+                del self._partials[key]
+            self._committed -= claims.committed
+            return claims.committed
+
+    # ------------------------------------------------------------------ reports
+    def entries(self, segment_id: int) -> list[InventoryEntry]:
+        """Committed objects of one segment, by offset."""
+        with self._lock:
+            claims = self._segments.get(segment_id)
+            if claims is None:
+                return []
+            found = (claims.by_offset[s].entry for s in claims.starts)
+            return [e for e in found if e is not None]
+
+    def segment_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._segments)
+
+    def pending(self) -> int:
+        """Partial (incomplete) writes currently tracked."""
+        with self._lock:
+            return len(self._partials)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._committed

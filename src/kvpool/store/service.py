@@ -1,0 +1,257 @@
+"""The store process: one shared-memory segment, its data plane, and its link to the master.
+
+The store is the source of truth for what it holds: its inventory of fully written objects goes to the
+master with every (re)mount, so a restarted or newly elected master rebuilds its index and allocators
+from the stores instead of starting cold. Heartbeats carry the master's free notifications back, so
+the inventory forgets ranges the master evicted or removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.common import envs
+from kvpool.common.auth import grpc_metadata, load_token
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.grants import new_secret
+from kvpool.common.httpserver import MetricsServer
+from kvpool.common.log import get_logger
+from kvpool.proto import master_pb2 as pb
+from kvpool.proto import master_pb2_grpc as pb_grpc
+from kvpool.store.config import StoreConfig
+from kvpool.store.dataplane import DataPlaneServer
+from kvpool.store.inventory import Inventory
+from kvpool.store.segment import ShmSegment
+
+log = get_logger(__name__)
+
+
+class MasterLink:
+    """gRPC to the current master: mount, heartbeat, unmount. Re-resolves the leader on failure."""
+
+    def __init__(self, master: str, cluster: str, token_file: str) -> None:
+        self._master = master
+        self._cluster = cluster
+        self._metadata = grpc_metadata(load_token(token_file))
+        self._channel: grpc.Channel | None = None
+        self._endpoint = ""
+        self._resolve = _resolver(master, cluster)
+
+    def _stub(self) -> pb_grpc.MasterServiceStub:
+        if self._channel is None:
+            self._endpoint = self._resolve()
+            self._channel = grpc.insecure_channel(self._endpoint, options=[
+                ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+        return pb_grpc.MasterServiceStub(self._channel)
+
+    def reset(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            response = getattr(self._stub(), method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            self.reset()
+            raise KvPoolError(ErrorCode.UNAVAILABLE, f"{method} to {self._endpoint}: {exc.code().name}") from exc
+        except KvPoolError:
+            self.reset()
+            raise
+        code = as_code(response.status.code)
+        if code in (ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP):
+            self.reset()
+        return response
+
+
+def _resolver(master: str, cluster: str) -> Any:
+    if master.startswith("etcd://"):
+        from kvpool.client.leader import etcd_resolver
+
+        return etcd_resolver(master, cluster)
+    return lambda: master
+
+
+class StoreServer:
+    """A running store. ``start()`` creates the segment and serves; ``run()`` also heartbeats until stopped."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        if not config.master:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "a store needs --master (or KVPOOL_MASTER)")
+        self.config = config
+        self.store_id = uuid.uuid4().hex[:16]
+        self.node = config.node or envs.node_name()
+        self.inventory = Inventory()
+        self.segment: ShmSegment | None = None
+        self.dataplane: DataPlaneServer | None = None
+        self._secret = new_secret()
+        self._link = MasterLink(config.master, config.cluster, config.token_file)
+        self._freed_ack = 0
+        self._mounted = False
+        self._stop = threading.Event()
+        self._metrics: MetricsServer | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(self))
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.numa_node >= 0:
+            from kvpool.store.numa import bind_current_process
+
+            bind_current_process(cfg.numa_node)
+        name = f"kvpool-{cfg.cluster}-{self.store_id}"
+        self.segment = ShmSegment.create(cfg.shm_dir, name, cfg.size, hugepages=cfg.hugepages)
+        if cfg.numa_node >= 0:
+            from kvpool.store.numa import bind_memory
+
+            bind_memory(self.segment, cfg.numa_node)
+        self.segment.prefault()
+        self.dataplane = DataPlaneServer(cfg.host, cfg.port, {self.segment.id: self.segment},
+                                         {self.segment.id: self._secret}, self.inventory,
+                                         max_connections=cfg.max_connections, store_info=self.info)
+        self.dataplane.start()
+        if cfg.metrics_port >= 0:
+            self._metrics = MetricsServer(cfg.host, cfg.metrics_port, self.registry, self._health).start()
+        log.info("store %s on node %s: segment %d (%d bytes) at %s, data plane %s, metrics %s", self.store_id,
+                 self.node, self.segment.id, self.segment.size, self.segment.path, self.tcp_endpoint,
+                 self.metrics_endpoint or "off")
+
+    @property
+    def tcp_endpoint(self) -> str:
+        assert self.dataplane is not None
+        return f"{self.config.advertise or self.config.host}:{self.dataplane.port}"
+
+    @property
+    def metrics_endpoint(self) -> str:
+        return f"{self.config.advertise or self.config.host}:{self._metrics.port}" if self._metrics else ""
+
+    def info(self) -> dict[str, Any]:
+        """What a client asking STORE_INFO learns (same-node clients map the segment from this)."""
+        assert self.segment is not None
+        return {"store_id": self.store_id, "node": self.node, "pid": os.getpid(),
+                "segments": [{"id": self.segment.id, "size": self.segment.size, "shm_path": self.segment.path}]}
+
+    def _segment_info(self) -> pb.SegmentInfo:
+        assert self.segment is not None
+        return pb.SegmentInfo(id=self.segment.id, node=self.node, store_id=self.store_id, size=self.segment.size,
+                              tcp_endpoint=self.tcp_endpoint, shm_path=self.segment.path,
+                              status=pb.SEGMENT_OK, numa_node=self.config.numa_node)
+
+    def mount(self, remount: bool) -> bool:
+        """Mount (or re-mount with the inventory); False when the master is unreachable."""
+        assert self.segment is not None
+        entries = [pb.InventoryEntry(key=e.key, offset=e.offset, length=e.length, checksum=e.checksum)
+                   for e in self.inventory.entries(self.segment.id)]
+        request = pb.MountSegmentRequest(segment=self._segment_info(), secret=self._secret,
+                                         inventory=entries, remount=remount)
+        try:
+            response = self._link.call("RemountSegment" if remount else "MountSegment", request, timeout=30.0)
+        except KvPoolError as exc:
+            log.warning("mount failed: %s", exc)
+            return False
+        code = as_code(response.status.code)
+        if code != ErrorCode.OK:
+            log.warning("mount refused: %s %s", code.name, response.status.message)
+            return False
+        self._mounted = True
+        # A (re)mount starts a fresh free-notification stream on the master.
+        self._freed_ack = 0
+        log.info("mounted with the master (%s): %d objects adopted, %d rejected",
+                 "remount" if remount else "first mount", response.adopted, response.rejected)
+        return True
+
+    def heartbeat(self) -> None:
+        """One heartbeat: apply the master's free notifications; re-mount when it does not know us."""
+        assert self.segment is not None
+        if not self._mounted:
+            self.mount(remount=len(self.inventory) > 0)
+            return
+        request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=[self.segment.id],
+                                      freed_ack=self._freed_ack)
+        try:
+            response = self._link.call("Heartbeat", request, timeout=2.0)
+        except KvPoolError as exc:
+            log.debug("heartbeat failed: %s", exc)
+            return
+        code = as_code(response.status.code)
+        if code == ErrorCode.NEED_REMOUNT:
+            log.info("the master does not know this store (restart or failover): re-mounting")
+            self._mounted = False
+            self.mount(remount=True)
+            return
+        for freed in response.freed:
+            self.inventory.drop(freed.segment_id, freed.offset)
+            self._freed_ack = max(self._freed_ack, freed.seq)
+
+    def run(self) -> None:
+        """Heartbeat until ``stop()``; then unmount and release the segment."""
+        self.mount(remount=False)
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            self.heartbeat()
+        self.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self, unmount: bool = True) -> None:
+        if unmount and self._mounted and self.segment is not None:
+            try:
+                self._link.call("UnmountSegment", pb.UnmountSegmentRequest(
+                    segment_id=self.segment.id, store_id=self.store_id), timeout=2.0)
+            except KvPoolError as exc:
+                log.warning("unmount failed (the master will expire this store): %s", exc)
+        if self.dataplane is not None:
+            self.dataplane.stop()
+        if self._metrics is not None:
+            self._metrics.stop()
+        if self.segment is not None:
+            self.segment.close()
+        self._link.reset()
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        return self._mounted, {"store_id": self.store_id, "node": self.node, "mounted": self._mounted,
+                               "objects": len(self.inventory)}
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: StoreServer) -> None:
+        self._store = store
+
+    def collect(self) -> Any:
+        store = self._store
+        yield GaugeMetricFamily("kvpool_store_objects", "Objects in this store's inventory", value=len(store.inventory))
+        yield GaugeMetricFamily("kvpool_store_mounted", "1 when mounted with a master", value=int(store._mounted))
+        if store.dataplane is None:
+            return
+        s = store.dataplane.statistics()
+        yield GaugeMetricFamily("kvpool_store_connections", "Open data-plane connections", value=s.connections)
+        yield CounterMetricFamily("kvpool_store_bytes_read", "Bytes served to readers", value=s.bytes_read)
+        yield CounterMetricFamily("kvpool_store_bytes_written", "Bytes written by clients", value=s.bytes_written)
+        yield CounterMetricFamily("kvpool_store_requests", "Data-plane requests", value=s.requests)
+
+
+def serve(config: StoreConfig, ready_file: str = "") -> int:
+    """``kvpool store``: serve until SIGTERM/SIGINT, then unmount cleanly."""
+    store = StoreServer(config)
+    store.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: store.stop())
+    if ready_file:
+        info = {"tcp": store.tcp_endpoint, "metrics": store.metrics_endpoint, "node": store.node,
+                "store_id": store.store_id}
+        Path(ready_file).write_text(json.dumps(info))
+    store.run()
+    return 0

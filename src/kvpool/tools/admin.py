@@ -1,0 +1,156 @@
+"""``kvpool-admin``: inspect and operate a running cluster.
+
+    kvpool-admin status            cluster summary: leader, stores, capacity, used, hit rate
+    kvpool-admin nodes             one line per node (segments, status, capacity, used, objects)
+    kvpool-admin stats             the master's counters
+    kvpool-admin leader            the serving master, its view and the followers
+    kvpool-admin evict [--prefix P] [--force]   remove objects (all, or one namespace)
+
+The cluster is found from ``--master`` or ``KVPOOL_MASTER`` (``host:port`` or ``etcd://...``), like the
+client. Every command prints a table, or one JSON object with ``--json``. Exit codes: 0 ok, 1 the
+operation failed, 2 the cluster could not be reached or the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.common import envs
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.units import format_size
+from kvpool.proto import frames
+from kvpool.proto import master_pb2 as pb
+
+_STATUS_NAMES = {pb.SEGMENT_OK: "OK", pb.SEGMENT_DRAINING: "DRAINING", pb.SEGMENT_DRAINED: "DRAINED"}
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvpool.client.master_client import MasterClient
+
+    master = args.master or envs.KVPOOL_MASTER.get()
+    if not master:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
+                          "no cluster: pass --master or set KVPOOL_MASTER")
+    return MasterClient(master, token_file=args.token_file, cluster=args.cluster)
+
+
+def _stats(args: argparse.Namespace) -> pb.StatsResponse:
+    return _client(args).call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(args.timeout))
+
+
+def nodes_doc(stats: pb.StatsResponse) -> dict[str, Any]:
+    by_node: dict[str, list[pb.SegmentInfo]] = defaultdict(list)
+    for seg in stats.segments:
+        by_node[seg.node].append(seg)
+    nodes = []
+    for node, segs in sorted(by_node.items()):
+        states = {_STATUS_NAMES.get(s.status, "UNKNOWN") for s in segs}
+        nodes.append({"node": node, "segments": len(segs),
+                      "status": states.pop() if len(states) == 1 else "MIXED",
+                      "capacity": sum(s.size for s in segs), "used": sum(s.used for s in segs),
+                      "objects": sum(s.objects for s in segs)})
+    return {"nodes": nodes}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    s = _stats(args)
+    lookups = s.hits + s.misses
+    doc = {"leader": s.leader, "role": s.role, "stores": len({seg.store_id for seg in s.segments}),
+           "segments": len(s.segments), "capacity": s.capacity, "used": s.used, "objects": s.objects,
+           "hit_rate": s.hits / lookups if lookups else 0.0, "evictions": s.evictions}
+    _emit(args, doc, lambda d: (
+        f"leader    {d['leader']} ({d['role']})\nstores    {d['stores']} ({d['segments']} segments)\n"
+        f"capacity  {format_size(d['capacity'])}, used {format_size(d['used'])} "
+        f"({d['used'] / d['capacity'] if d['capacity'] else 0:.1%})\nobjects   {d['objects']}\n"
+        f"hit rate  {d['hit_rate']:.1%}\nevicted   {d['evictions']} objects"))
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    doc = nodes_doc(_stats(args))
+
+    def table(d: dict[str, Any]) -> str:
+        lines = [f"{'NODE':<24} {'SEGS':>4} {'STATUS':<9} {'CAPACITY':>11} {'USED':>11} {'OBJECTS':>9}"]
+        for n in d["nodes"]:
+            lines.append(f"{n['node']:<24} {n['segments']:>4} {n['status']:<9} {format_size(n['capacity']):>11} "
+                         f"{format_size(n['used']):>11} {n['objects']:>9}")
+        return "\n".join(lines)
+
+    _emit(args, doc, table)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    s = _stats(args)
+    doc = {name: getattr(s, name) for name in ("objects", "capacity", "used", "hits", "misses", "evictions",
+                                               "evicted_bytes", "puts", "reclaimed_puts")}
+    _emit(args, doc, lambda d: "\n".join(f"{k:<16} {v}" for k, v in d.items()))
+    return 0
+
+
+def cmd_leader(args: argparse.Namespace) -> int:
+    s = _stats(args)
+    view = s.status.view
+    doc = {"leader": s.leader, "view": view, "followers": list(s.followers)}
+    _emit(args, doc, lambda d: f"leader {d['leader']} (view {d['view']})\n"
+                               f"followers {', '.join(d['followers']) or '-'}")
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    response = _client(args).call(frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=args.force, prefix=args.prefix),
+                                  Deadline(args.timeout))
+    doc = {"removed": response.removed, "prefix": args.prefix}
+    _emit(args, doc, lambda d: f"removed {d['removed']} objects")
+    return 0
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    print(json.dumps(doc) if args.json else render(doc))
+
+
+COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "status": (cmd_status, "cluster summary"),
+    "nodes": (cmd_nodes, "nodes and their segments"),
+    "stats": (cmd_stats, "master counters"),
+    "leader": (cmd_leader, "the serving master and its view"),
+    "evict": (cmd_evict, "remove objects (all, or those whose key starts with --prefix)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool-admin", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--master", default="", help="master address (default: KVPOOL_MASTER)")
+    parser.add_argument("--cluster", default=envs.KVPOOL_CLUSTER.get(), help="cluster name (etcd key prefix)")
+    parser.add_argument("--token-file", default="", help="cluster token file (default: KVPOOL_TOKEN_FILE)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (func, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
+        if name == "evict":
+            p.add_argument("--prefix", default="", help="only keys starting with this")
+            p.add_argument("--force", action="store_true", help="also remove leased and pinned objects")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvPoolError as exc:
+        print(f"kvpool-admin: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""``kvpool bench transfer``: put and get GB/s of the pool over TCP, against this machine's ceiling.
+
+It starts its own local cluster (a master and one store process), measures the raw loopback TCP
+ceiling between two Python processes with preallocated buffers in the same run, then times the
+zero-copy forms (``batch_put_from`` / ``batch_get_into``) for 64 KiB, 1 MiB and 4 MiB values, one key
+per call and batched. Each figure is the median of ``--runs`` runs; these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from kvpool.common.units import parse_size
+
+SIZES = (64 << 10, 1 << 20, 4 << 20)
+BATCH_BYTES = 32 << 20  # a batched call moves about this much
+
+
+@dataclass
+class Row:
+    op: str
+    size: int
+    batch: int
+    gbps: float
+    p50_us: float
+    p99_us: float
+    ratio_to_ceiling: float = 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--master", default="", help="measure this running cluster instead of starting one")
+    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="value sizes (default 64KiB,1MiB,4MiB)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per measurement (default 1)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
+    parser.add_argument("--store-size", default="768MiB", help="segment size of the benchmark's store")
+    parser.add_argument("--connections", type=int, default=4, help="TCP connections per store")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> Row:
+    """Repeat one call shape for ``seconds``; GB/s over the calls, latency per call."""
+    from kvpool.client import PoolClient
+
+    assert isinstance(client, PoolClient)
+    buffers = [bytearray(size) for _ in range(batch)]
+    for i, buf in enumerate(buffers):
+        buf[:8] = i.to_bytes(8, "little")
+    latencies: list[float] = []
+    moved = 0
+    busy = 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or not latencies:
+        keys = [f"bench-{uuid.uuid4().hex}" for _ in range(batch)]
+        started = time.perf_counter()
+        codes = client.batch_put_from(keys, buffers)
+        put_time = time.perf_counter() - started
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"put failed: {sorted(set(codes))}")
+        if op == "get":
+            started = time.perf_counter()
+            codes = client.batch_get_into(keys, buffers)
+            elapsed = time.perf_counter() - started
+            if any(c != size for c in codes):
+                raise RuntimeError(f"get failed: {sorted(set(codes))}")
+        else:
+            elapsed = put_time
+        latencies.append(elapsed)
+        busy += elapsed
+        moved += size * batch
+        client.batch_remove(keys, force=True)
+    return Row(op, size, batch, moved / busy / 1e9, _percentile(latencies, 0.5) * 1e6,
+               _percentile(latencies, 0.99) * 1e6)
+
+
+def _median_row(rows: list[Row]) -> Row:
+    best = sorted(rows, key=lambda r: r.gbps)[len(rows) // 2]
+    return Row(best.op, best.size, best.batch, statistics.median(r.gbps for r in rows),
+               statistics.median(r.p50_us for r in rows), statistics.median(r.p99_us for r in rows))
+
+
+def measure(master: str, sizes: list[int], seconds: float, runs: int, connections: int) -> dict[str, object]:
+    from kvpool.client import ClientConfig, PoolClient
+    from kvpool.tools.ceiling import measure_memcpy, measure_tcp_ceiling
+
+    ceilings = {size: statistics.median(measure_tcp_ceiling(size, seconds) for _ in range(runs)) for size in sizes}
+    memcpy = statistics.median(measure_memcpy(max(sizes)) for _ in range(runs))
+    rows: list[Row] = []
+    config = ClientConfig(master=master, use_shm=False, connections_per_store=connections)
+    with PoolClient(config=config) as client:
+        _measure(client, "get", 1 << 20, 8, 0.2)  # warm connections and the segment
+        for size in sizes:
+            for batch in sorted({1, max(1, BATCH_BYTES // size)}):
+                for op in ("put", "get"):
+                    row = _median_row([_measure(client, op, size, batch, seconds) for _ in range(runs)])
+                    row.ratio_to_ceiling = row.gbps / ceilings[size] if ceilings[size] else 0.0
+                    rows.append(row)
+                    print(f"  {op} {size >> 10:>5} KiB x{batch:<4} {row.gbps:6.2f} GB/s  "
+                          f"{row.ratio_to_ceiling:4.2f} x ceiling  p50 {row.p50_us:8.0f} us", file=sys.stderr)
+    return {"ceiling_tcp_gbps": max(ceilings.values()),
+            "ceilings": {str(size): gbps for size, gbps in ceilings.items()},
+            "memcpy_gbps": memcpy, "results": [asdict(r) for r in rows]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.tools.local_cluster import LocalCluster
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    cluster = None
+    master = args.master
+    if not master:
+        cluster = LocalCluster(stores=1, store_size=args.store_size).start()
+        master = cluster.master
+    try:
+        doc = measure(master, sizes, args.seconds, args.runs, args.connections)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"TCP ceiling {doc['ceiling_tcp_gbps']:.2f} GB/s, memcpy {doc['memcpy_gbps']:.2f} GB/s")
+        print(f"{'op':<4} {'size':>9} {'batch':>5} {'GB/s':>7} {'x ceil':>7} {'p50 us':>9} {'p99 us':>9}")
+        for r in doc["results"]:  # type: ignore[attr-defined]
+            print(f"{r['op']:<4} {r['size']:>9} {r['batch']:>5} {r['gbps']:7.2f} {r['ratio_to_ceiling']:7.2f} "
+                  f"{r['p50_us']:9.0f} {r['p99_us']:9.0f}")
+    return 0

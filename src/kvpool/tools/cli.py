@@ -1,0 +1,162 @@
+"""``kvpool``: run a master or a store, a local cluster, the demo and the benchmarks.
+
+    kvpool master [--port 50051] [--etcd h1:p1,...]     one master (or an HA replica)
+    kvpool store --master ADDR --size 4GiB              one store (one per NUMA node)
+    kvpool local up|status|down                         a whole cluster as local processes
+    kvpool demo                                         local cluster + an agent workload, then stop
+    kvpool bench transfer|trace|...                     benchmarks (print ratios to this machine's ceilings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvpool.common import config as cfg
+from kvpool.common import envs
+from kvpool.common.errors import KvPoolError
+from kvpool.common.log import setup_logging
+
+# name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
+BENCHES: dict[str, tuple[str, str]] = {
+    "transfer": ("kvpool.tools.bench_transfer", "put/get GB/s against the raw loopback TCP ceiling"),
+    "trace": ("kvpool.tools.bench_trace", "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
+}
+
+
+def _cmd_master(args: argparse.Namespace) -> int:
+    from kvpool.master.config import MasterConfig
+    from kvpool.master.run import serve
+
+    setup_logging("master")
+    return serve(cfg.from_args(MasterConfig, args), args.ready_file)
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    from kvpool.store.config import StoreConfig
+    from kvpool.store.service import serve
+
+    setup_logging("store")
+    return serve(cfg.from_args(StoreConfig, args), args.ready_file)
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from kvpool.tools import local_cluster as lc
+
+    base = Path(args.dir) if args.dir else lc.default_dir()
+    if args.action == "up":
+        if (base / "cluster.json").exists() and any(p["alive"] for p in lc.load_status(base)["processes"]):
+            print(f"a local cluster is already running in {base} (kvpool local down first)", file=sys.stderr)
+            return 1
+        cluster = lc.LocalCluster(stores=args.stores, store_size=args.size, base_dir=base, ha=args.ha,
+                                  master_args=tuple(args.master_arg), store_args=tuple(args.store_arg)).start()
+        doc = cluster.status()
+        if args.json:
+            print(json.dumps(doc))
+        else:
+            print(f"kvpool local cluster up in {base}")
+            for p in doc["processes"]:
+                print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']}  {p['node']}")
+            print(f"\nconnect with:  export KVPOOL_MASTER={doc['master']}")
+        return 0
+    if args.action == "status":
+        doc = lc.load_status(base)
+        if args.json:
+            print(json.dumps(doc))
+        else:
+            print(f"master {doc['master']}  (dir {base})")
+            for p in doc["processes"]:
+                state = "up" if p["alive"] else "DEAD"
+                print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']:<22} {p['node']:<16} {state}")
+        return 0
+    pids = lc.down(base)
+    print(json.dumps({"stopped": pids}) if args.json else f"stopped {len(pids)} processes")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvpool.tools.demo import run
+
+    return run(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHES[args.bench][0])
+    return int(module.run(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvpool.master.config import MasterConfig
+    from kvpool.store.config import StoreConfig
+
+    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    master = sub.add_parser("master", help="run a master")
+    cfg.add_arguments(master, MasterConfig)
+    master.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
+    master.set_defaults(func=_cmd_master)
+
+    store = sub.add_parser("store", help="run a store")
+    cfg.add_arguments(store, StoreConfig)
+    store.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
+    store.set_defaults(func=_cmd_store)
+
+    local = sub.add_parser("local", help="a local multi-process cluster")
+    local.add_argument("action", choices=("up", "status", "down"))
+    local.add_argument("--stores", type=int, default=2, help="stores to start (default 2)")
+    local.add_argument("--size", default="512MiB", help="segment size of each store (default 512MiB)")
+    local.add_argument("--ha", action="store_true", help="start etcd and 3 masters")
+    local.add_argument("--dir", default="", help="cluster directory (default: a per-user temp dir)")
+    local.add_argument("--json", action="store_true", help="print JSON")
+    local.add_argument("--master-arg", action="append", default=[], help="extra argument for each master")
+    local.add_argument("--store-arg", action="append", default=[], help="extra argument for each store")
+    local.set_defaults(func=_cmd_local)
+
+    from kvpool.tools import demo
+
+    demo_parser = sub.add_parser("demo", help="run an agent workload on a local cluster and print hit rates")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        import importlib
+
+        module = importlib.import_module(module_name)
+        bench_parser = bench_sub.add_parser(name, help=help_text)
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(func=_cmd_bench)
+
+    env = sub.add_parser("env", help="list the environment variables kvpool reads")
+    env.set_defaults(func=lambda a: _print_env())
+    return parser
+
+
+def _print_env() -> int:
+    for var in envs.ALL:
+        print(f"{var.name:<26} {var.doc} (default {var.default!r})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KvPoolError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

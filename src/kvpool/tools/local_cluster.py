@@ -1,0 +1,266 @@
+"""A whole kvpool cluster as local processes on loopback: ``kvpool local up|status|down``, the demo,
+the benchmarks and the integration tests all use :class:`LocalCluster`.
+
+Each process is started in its own session (so ``local down`` and test cleanup can kill it and nothing
+else), writes a *ready file* with its endpoints once it serves (readiness without sleeping), and logs
+to a file in the cluster directory. ``cluster.json`` in that directory lists every process started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.common.errors import ErrorCode, KvPoolError
+
+
+@dataclass
+class ProcInfo:
+    role: str            # "etcd" | "master" | "store"
+    name: str
+    pid: int
+    address: str         # gRPC endpoint (master), data endpoint (store), client endpoint (etcd)
+    node: str = ""
+    log: str = ""
+    endpoints: dict[str, Any] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"kvpool-local-{os.getuid()}"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvpool.tools.cli", *args]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as gone.
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+def _is_ours(pid: int, marker: str) -> bool:
+    """Guard against pid reuse: only signal a process whose command line names this cluster dir."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return marker in cmdline
+
+
+class LocalCluster:
+    """Start/stop a master (or 3 with etcd) and N stores as child processes."""
+
+    def __init__(self, stores: int = 2, store_size: str = "256MiB", base_dir: str | Path | None = None,
+                 master_args: tuple[str, ...] = (), store_args: tuple[str, ...] = (), ha: bool = False,
+                 masters: int = 3, nodes: list[str] | None = None, env: dict[str, str] | None = None,
+                 cluster: str = "") -> None:
+        self.base_dir = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.num_stores = stores
+        self.store_size = store_size
+        self.master_args = tuple(master_args)
+        self.store_args = tuple(store_args)
+        self.ha = ha
+        self.num_masters = masters if ha else 1
+        self.nodes = nodes
+        self.cluster = cluster or f"local{os.getpid()}x{int(time.time() * 1000) % 100000}"
+        self.env = {**os.environ, **(env or {})}
+        self.processes: list[ProcInfo] = []
+        self._popen: dict[int, subprocess.Popen[bytes]] = {}
+        self._counter = 0
+        self.etcd: Any = None
+
+    # --- start ---------------------------------------------------------------------------------
+
+    @property
+    def master(self) -> str:
+        """The address clients and stores are given."""
+        if self.ha:
+            return "etcd://" + ",".join(self.etcd.endpoints)
+        return self.masters[0].address
+
+    @property
+    def masters(self) -> list[ProcInfo]:
+        return [p for p in self.processes if p.role == "master"]
+
+    @property
+    def stores(self) -> list[ProcInfo]:
+        return [p for p in self.processes if p.role == "store"]
+
+    def start(self, timeout: float = 60.0) -> LocalCluster:
+        try:
+            if self.ha:
+                self._start_etcd()
+            for _ in range(self.num_masters):
+                self.add_master(timeout=timeout)
+            for i in range(self.num_stores):
+                self.add_store(node=self.nodes[i] if self.nodes else "", timeout=timeout)
+            self.save()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self) -> None:
+        from kvpool.tools.etcd_process import EtcdProcess
+
+        self.etcd = EtcdProcess.start(self.base_dir / "etcd")
+        self.processes.append(ProcInfo("etcd", "etcd-0", self.etcd.pid, self.etcd.endpoints[0]))
+
+    def _spawn(self, role: str, args: list[str], timeout: float) -> ProcInfo:
+        name = f"{role}-{self._counter}"
+        self._counter += 1
+        ready = self.base_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log_path = self.base_dir / f"{name}.log"
+        cmd = _cli(role, *args, "--ready-file", str(ready))
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.env, start_new_session=True)
+        self._popen[proc.pid] = proc
+        info = ProcInfo(role, name, proc.pid, "", log=str(log_path), args=args)
+        self.processes.append(info)
+        deadline = time.monotonic() + timeout
+        while not ready.exists() or not ready.read_text():
+            if proc.poll() is not None:
+                raise KvPoolError(ErrorCode.UNAVAILABLE,
+                                  f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise KvPoolError(ErrorCode.TIMEOUT, f"{name} not ready after {timeout:.0f} s:\n{_tail(log_path)}")
+            time.sleep(0.02)
+        info.endpoints = json.loads(ready.read_text())
+        info.address = info.endpoints.get("grpc") or info.endpoints.get("tcp", "")
+        info.node = info.endpoints.get("node", "")
+        return info
+
+    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0) -> ProcInfo:
+        args = ["--host", "127.0.0.1", "--port", "0", "--cluster", self.cluster, *self.master_args, *extra]
+        if self.ha:
+            args += ["--etcd", ",".join(self.etcd.endpoints)]
+        return self._spawn("master", args, timeout)
+
+    def add_store(self, size: str | None = None, node: str = "", extra: tuple[str, ...] = (),
+                  timeout: float = 60.0) -> ProcInfo:
+        args = ["--master", self.master, "--size", size or self.store_size, "--host", "127.0.0.1",
+                "--cluster", self.cluster, *self.store_args, *extra]
+        if node:
+            args += ["--node", node]
+        info = self._spawn("store", args, timeout)
+        self.save()
+        return info
+
+    # --- faults and stop -------------------------------------------------------------------------
+
+    def signal(self, info: ProcInfo, sig: int) -> None:
+        if _alive(info.pid):
+            os.kill(info.pid, sig)
+
+    def kill(self, info: ProcInfo) -> None:
+        """SIGKILL and reap."""
+        self.signal(info, signal.SIGKILL)
+        self._reap(info, 10.0)
+
+    def terminate(self, info: ProcInfo, timeout: float = 10.0) -> None:
+        """SIGTERM, wait, then SIGKILL."""
+        self.signal(info, signal.SIGTERM)
+        if not self._reap(info, timeout):
+            self.kill(info)
+
+    def _reap(self, info: ProcInfo, timeout: float) -> bool:
+        proc = self._popen.get(info.pid)
+        if proc is None:
+            deadline = time.monotonic() + timeout
+            while _alive(info.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return not _alive(info.pid)
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def restart(self, info: ProcInfo, timeout: float = 60.0) -> ProcInfo:
+        """Start a process of the same role with the same arguments (a restarted master or store)."""
+        self.processes.remove(info)
+        new = self._spawn(info.role, [a for a in info.args], timeout)
+        self.save()
+        return new
+
+    def stop(self) -> None:
+        for info in reversed(self.processes):
+            if info.role != "etcd":
+                self.terminate(info, timeout=5.0)
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- persisted description (for `kvpool local status|down`) ---------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {"master": self.master, "cluster": self.cluster, "dir": str(self.base_dir),
+                "processes": [{"role": p.role, "pid": p.pid, "address": p.address, "node": p.node,
+                               "alive": _alive(p.pid)} for p in self.processes]}
+
+    def save(self) -> None:
+        doc = {**self.status(), "detail": [asdict(p) for p in self.processes]}
+        (self.base_dir / "cluster.json").write_text(json.dumps(doc, indent=2))
+
+
+def load_status(base_dir: Path) -> dict[str, Any]:
+    path = base_dir / "cluster.json"
+    if not path.exists():
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"no local cluster in {base_dir} (run `kvpool local up`)")
+    doc: dict[str, Any] = json.loads(path.read_text())
+    for proc in doc["processes"]:
+        proc["alive"] = _alive(proc["pid"])
+    return doc
+
+
+def down(base_dir: Path, timeout: float = 10.0) -> list[int]:
+    """Stop exactly the processes `local up` started in ``base_dir``; returns their pids."""
+    doc = load_status(base_dir)
+    pids = [p["pid"] for p in doc["processes"] if _alive(p["pid"]) and _is_ours(p["pid"], str(base_dir))]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    (base_dir / "cluster.json").unlink(missing_ok=True)
+    return pids
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,94 @@
+"""The Transport interface: move object ranges between local buffers and store segments.
+
+A transport moves a batch of READ/WRITE requests, each for one replica of one object, and reports one
+ErrorCode per request. Implementations: ``tcp`` (everywhere), ``shm`` (same node: the segment is
+mapped, a transfer is a memcpy), ``rdma`` (pyverbs, one-sided READ/WRITE into registered memory).
+The client picks one per replica (:mod:`kvpool.transfer.registry`).
+
+Every request carries the master's grant (``Replica.mac``/``expiry_ms``); the store verifies it, so a
+transport never needs to trust the caller's offsets.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode
+from kvpool.common.grants import Grant, GrantOp
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """Where one copy of an object lives, and the grant to touch it (from the master)."""
+
+    segment_id: int
+    node: str
+    tcp_endpoint: str
+    shm_path: str
+    offset: int
+    length: int
+    expiry_ms: int
+    mac: bytes
+    tier: int = 0
+
+    def grant(self, op: GrantOp, key: bytes) -> Grant:
+        return Grant(op, self.segment_id, self.offset, self.length, self.expiry_ms, key, self.mac)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRequest:
+    """One object transfer. ``buffer`` is the source (WRITE) or destination (READ); its length is the
+    object's length. ``checksum`` (WRITE) is recorded in the store's inventory."""
+
+    op: GrantOp
+    key: bytes
+    replica: Replica
+    buffer: memoryview
+    checksum: int = 0
+
+
+class TransferBatch(ABC):
+    """A submitted batch; ``wait`` returns one code per request, in submission order."""
+
+    @abstractmethod
+    def wait(self, deadline: Deadline) -> list[ErrorCode]: ...
+
+
+class CompletedBatch(TransferBatch):
+    """A batch that finished inside ``submit`` (synchronous transports)."""
+
+    def __init__(self, codes: list[ErrorCode]) -> None:
+        self._codes = codes
+
+    def wait(self, deadline: Deadline) -> list[ErrorCode]:
+        return self._codes
+
+
+class Transport(ABC):
+    """Moves bytes between local memory and store segments."""
+
+    name: str = "abstract"
+
+    def register_memory(self, buffer: memoryview) -> None:
+        """Make ``buffer`` usable as a zero-copy source/destination (RDMA registers an MR)."""
+
+    def unregister_memory(self, buffer: memoryview) -> None:
+        """Undo :meth:`register_memory`."""
+
+    def can_reach(self, replica: Replica) -> bool:
+        """Whether this transport can serve this replica (shm: only same-node segments)."""
+        return True
+
+    @abstractmethod
+    def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
+        """Start the transfers; never raises for a per-request failure."""
+
+    def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
+        return self.submit(requests, deadline).wait(deadline)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and registrations; safe to call twice."""

@@ -1,0 +1,78 @@
+"""Which transport serves which replica: shared memory for same-node segments, RDMA where a device
+exists, TCP for everything else. ``TransportSet`` splits a batch by transport, runs the parts
+concurrently and returns the codes in request order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode
+from kvpool.transfer.base import Replica, TransferRequest, Transport
+
+
+
+class TransportSet:
+    """Transports in preference order; the first that ``can_reach`` a replica serves it."""
+
+    def __init__(self, transports: Sequence[Transport], node: str = "") -> None:
+        if not transports:
+            raise ValueError("a TransportSet needs at least one transport")
+        self._transports = list(transports)
+        self._node = node
+
+    @classmethod
+    def default(cls, config: Any, node: str) -> TransportSet:
+        """TCP always; shared memory first when enabled (same-node segments only)."""
+        from kvpool.transfer.tcp import TcpTransport
+
+        transports: list[Transport] = []
+        if getattr(config, "use_shm", False):
+            try:
+                from kvpool.transfer.shm import ShmTransport
+            except ImportError:
+                pass
+            else:
+                transports.append(ShmTransport(node))
+        transports.append(TcpTransport(connections_per_endpoint=config.connections_per_store,
+                                       stripe_bytes=config.stripe_bytes))
+        return cls(transports, node)
+
+    def order(self, replicas: list[Replica]) -> list[Replica]:
+        """Replicas in read preference: same node first (memcpy beats any network)."""
+        return sorted(replicas, key=lambda r: 0 if r.node == self._node else 1)
+
+    def _pick(self, replica: Replica) -> int:
+        for index, transport in enumerate(self._transports):
+            if transport.can_reach(replica):
+                return index
+        return len(self._transports) - 1
+
+    def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
+        if not requests:
+            return []
+        groups: dict[int, list[int]] = {}
+        for position, request in enumerate(requests):
+            groups.setdefault(self._pick(request.replica), []).append(position)
+        # Submit every group first, then wait: transports run concurrently.
+        batches = [(positions, self._transports[t].submit([requests[p] for p in positions], deadline))
+                   for t, positions in groups.items()]
+        codes = [ErrorCode.INTERNAL] * len(requests)
+        for positions, batch in batches:
+            for position, code in zip(positions, batch.wait(deadline), strict=True):
+                codes[position] = code
+        return codes
+
+    def register_memory(self, buffer: memoryview) -> None:
+        for transport in self._transports:
+            transport.register_memory(buffer)
+
+    def unregister_memory(self, buffer: memoryview) -> None:
+        for transport in self._transports:
+            transport.unregister_memory(buffer)
+
+    def close(self) -> None:
+        for transport in self._transports:
+            transport.close()

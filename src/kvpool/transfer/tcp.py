@@ -1,0 +1,800 @@
+"""The TCP transport: the default data path, runs everywhere.
+
+Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncake-store.md §4):
+
+* **Lanes.** Each endpoint (a store's ``host:port``) gets up to ``connections_per_endpoint`` lanes; a lane
+  is one persistent connection driven by its own thread, with a queue of jobs. Lanes are created lazily and
+  each connects from its own thread, so connects to one endpoint run in parallel and a dead or slow peer
+  only stalls the lanes of that peer - there is no serial handshake and no shared queue to overflow.
+* **Parts.** ``submit`` splits each object into parts (objects over ``stripe_bytes`` are striped in
+  near-equal parts), and deals the parts to the endpoint's lanes, least-loaded first, so one large object
+  is moved over all connections at once and many small ones are spread round-robin.
+* **Pipelining with a bounded window.** A lane sends up to ``window`` requests ahead and reads responses in
+  order. It never mixes directions in flight (it drains the window when the batch switches between READ and
+  WRITE), and the READ request bytes in flight stay far below the socket send buffer. So the lane never
+  blocks sending while the store is blocked sending to it: no deadlock on full socket buffers.
+* **Zero copy.** WRITE payloads go out with ``sendmsg([frame, memoryview])``; READ payloads are received with
+  ``recv_into`` straight into the caller's memoryview. No intermediate bytes objects for payloads.
+* **Deadlines** are enforced by kernel socket timeouts (SO_RCVTIMEO / SO_SNDTIMEO on blocking sockets,
+  re-armed as the deadline nears): a part not done by the deadline is TIMEOUT and its connection is closed,
+  since it may be mid-frame. ``TransferBatch.wait`` cancels what is still running at its deadline (shutting
+  down the sockets) and returns only when no lane can touch the caller's buffers any more.
+
+:class:`FrameReader` (a small read-ahead buffer so that a header and a small payload come in one syscall)
+and the socket helpers are shared with the store's data-plane server.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.grants import Grant, GrantOp
+from kvpool.common.log import get_logger
+from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op
+from kvpool.transfer.base import TransferBatch, TransferRequest, Transport
+
+logger = get_logger(__name__)
+
+SOCKET_BUFFER = 4 << 20
+READ_AHEAD = 8192
+MAX_INFO_BYTES = 16 << 20
+# One struct for header + descriptor: a request frame is one pack() plus the key.
+_REQUEST = struct.Struct(HEADER.format + DESC.format.lstrip("<@=!>"))
+_TIMEVAL = struct.Struct("@ll")
+# Per-part cost in "bytes" when dealing parts to lanes: a request costs about as much as moving this much.
+_PART_OVERHEAD = 32 * 1024
+
+
+# ------------------------------------------------------------------ socket helpers (shared with the store)
+def tune_socket(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER) -> None:
+    """TCP_NODELAY (a request frame must not wait for Nagle) and large buffers (fewer wakeups per MiB)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def set_io_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Kernel send/receive timeouts on a *blocking* socket (None = wait forever).
+
+    Unlike ``settimeout`` (non-blocking fd + poll before every call), the socket stays blocking, so a
+    ``recv_into(..., MSG_WAITALL)`` of a whole MiB is one syscall; a timeout shows as BlockingIOError.
+    """
+    if seconds is None:
+        tv = _TIMEVAL.pack(0, 0)
+    else:
+        micros = max(1, int(seconds * 1e6))  # 0 would mean "forever"
+        tv = _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); INVALID_ARGUMENT if malformed."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad tcp endpoint {endpoint!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+class FrameReader:
+    """Buffered reads of frames from a blocking socket.
+
+    Small reads (headers, descriptors) go through a read-ahead buffer, so a header plus a small payload,
+    or several pipelined small requests, cost one syscall. Large payloads are received straight into the
+    destination (only what was already read ahead, at most ``READ_AHEAD`` bytes, is copied).
+    """
+
+    __slots__ = ("sock", "_buf", "_view", "_start", "_end")
+
+    def __init__(self, sock: socket.socket, size: int = READ_AHEAD) -> None:
+        self.sock = sock
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def read(self, n: int) -> memoryview:
+        """The next ``n`` (<= buffer size) bytes; valid until the next call. EOF -> CONNECTION_FAILED."""
+        if self._end - self._start < n:
+            self._fill(n)
+        start = self._start
+        self._start = start + n
+        return self._view[start:start + n]
+
+    def wait_readable(self) -> bool:
+        """Block until at least one byte is buffered; False on a clean EOF at a frame boundary."""
+        if self._end > self._start:
+            return True
+        self._start = self._end = 0
+        got = self.sock.recv_into(self._view, len(self._buf))
+        self._end = got
+        return got > 0
+
+    def _fill(self, n: int) -> None:
+        if self._start + n > len(self._buf):  # compact: move the unread tail to the front
+            tail = self._end - self._start
+            self._view[:tail] = self._view[self._start:self._end]
+            self._start, self._end = 0, tail
+        while self._end - self._start < n:
+            got = self.sock.recv_into(self._view[self._end:], len(self._buf) - self._end)
+            if got == 0:
+                raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
+            self._end += got
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly: read-ahead bytes first, then straight from the socket."""
+        take = min(self._end - self._start, len(dest))
+        if take:
+            dest[:take] = self._view[self._start:self._start + take]
+            self._start += take
+        recv_all_into(self.sock, dest[take:])
+
+    def skip(self, n: int, scratch: memoryview) -> None:
+        """Consume and discard ``n`` bytes (the payload of a rejected request) through ``scratch``."""
+        take = min(self._end - self._start, n)
+        self._start += take
+        n -= take
+        while n > 0:
+            chunk = min(n, len(scratch))
+            recv_all_into(self.sock, scratch[:chunk])
+            n -= chunk
+
+
+def recv_all_into(sock: socket.socket, view: memoryview) -> None:
+    """``recv_into`` until ``view`` is full (MSG_WAITALL: usually one syscall). EOF -> CONNECTION_FAILED."""
+    while view:
+        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if got == 0:
+            raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
+        view = view[got:]
+
+
+def send_all(sock: socket.socket, frame: bytes, payload: memoryview | None = None) -> None:
+    """Send ``frame`` then ``payload`` in one ``sendmsg`` (payload not copied), looping on short sends."""
+    if payload is None or not payload:
+        sock.sendall(frame)
+        return
+    sent = sock.sendmsg([frame, payload])
+    if sent < len(frame):
+        sock.sendall(memoryview(frame)[sent:])
+        sent = len(frame)
+    if sent - len(frame) < len(payload):
+        sock.sendall(payload[sent - len(frame):])
+
+
+# ---------------------------------------------------------------------- jobs and batches
+class _Broken(Exception):
+    """The connection is unusable; every unanswered part of the job gets ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Part:
+    """One request on the wire: a part of one object (or a control op)."""
+
+    __slots__ = ("index", "op", "view", "grant", "checksum", "part_offset", "reply")
+
+    def __init__(self, index: int, op: Op, view: memoryview, grant: Grant | None = None, checksum: int = 0,
+                 part_offset: int = 0) -> None:
+        self.index = index  # the request's position in its batch
+        self.op = op
+        self.view = view  # source (WRITE) / destination (READ) bytes of this part
+        self.grant = grant
+        self.checksum = checksum
+        self.part_offset = part_offset
+        self.reply = b""  # STORE_INFO's payload
+
+    def frame(self, req_id: int) -> bytes:
+        g = self.grant
+        if g is None:  # control op: a bare header
+            return HEADER.pack(MAGIC, self.op, 0, 0, req_id, 0)
+        plen = len(self.view)
+        length = DESC.size + len(g.key) + (plen if self.op == Op.WRITE else 0)
+        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, g.segment_id, g.offset, g.length,
+                             g.expiry_ms, self.checksum, self.part_offset, plen, len(g.key), g.mac) + g.key
+
+
+class _Job:
+    """The parts of one batch that one lane moves, in order."""
+
+    __slots__ = ("batch", "parts", "codes", "done", "cost")
+
+    def __init__(self, batch: _Batch, parts: list[_Part], cost: int = 0) -> None:
+        self.batch = batch
+        self.parts = parts
+        self.codes: list[ErrorCode] = []
+        self.done = 0  # parts [0, done) are answered
+        self.cost = cost  # what it adds to its lane's load while queued or running
+
+    def fail_rest(self, code: ErrorCode) -> None:
+        self.codes.extend([code] * (len(self.parts) - len(self.codes)))
+        self.done = len(self.parts)
+
+
+class _Batch(TransferBatch):
+    """Per-request codes of one submitted batch; a request is OK only if all its parts are.
+
+    Completion is a plain lock held until the last job is done (a threading.Event costs ~5 us to create
+    and ~10 us to set and wait on: a tenth of a small get).
+    """
+
+    def __init__(self, n_requests: int, deadline: Deadline) -> None:
+        self.codes: list[ErrorCode] = [ErrorCode.OK] * n_requests
+        self.deadline = deadline
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._finished = False
+        self._pending = 0
+        self._jobs: list[tuple[_Lane, _Job]] = []
+
+    def add_job(self, lane: _Lane, job: _Job) -> None:
+        self._pending += 1
+        self._jobs.append((lane, job))
+
+    def seal(self) -> None:
+        """All jobs are added; a batch with none is done already."""
+        if self._pending == 0:
+            self._finished = True
+            self._latch.release()
+
+    def job_done(self, job: _Job) -> None:
+        with self._lock:
+            if any(job.codes):  # ErrorCode.OK is 0: only failures need merging
+                codes = self.codes
+                for part, code in zip(job.parts, job.codes, strict=True):
+                    if code and not codes[part.index]:
+                        codes[part.index] = code
+            self._pending -= 1
+            if self._pending == 0:
+                self._finished = True
+                self._latch.release()
+
+    def _wait_finished(self, timeout: float | None) -> bool:
+        if self._finished:
+            return True
+        if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._latch.release()  # let any other waiter through too
+        return True
+
+    def wait(self, deadline: Deadline) -> list[ErrorCode]:
+        if not self._finished and _not_sooner(deadline, self.deadline):
+            for lane, job in self._jobs:  # help: run jobs no lane thread has picked up yet
+                lane.run_inline(job)
+        if not self._wait_finished(_min_remaining(deadline, self.deadline)):
+            self.cancel()
+            self._wait_finished(None)  # lanes give up promptly once their sockets are shut down
+        return list(self.codes)
+
+    def cancel(self) -> None:
+        """Stop every job of this batch; unanswered parts become TIMEOUT."""
+        self.cancelled = True
+        for lane, job in self._jobs:
+            lane.cancel(job)
+
+
+def _not_sooner(a: Deadline, b: Deadline) -> bool:
+    """Whether ``a`` ends no sooner than ``b`` (running b's work inline cannot overrun a)."""
+    return a.at is None or (b.at is not None and b.at <= a.at)
+
+
+def _min_remaining(a: Deadline, b: Deadline) -> float | None:
+    ra, rb = a.remaining(), b.remaining()
+    if ra is None:
+        return rb
+    return ra if rb is None else min(ra, rb)
+
+
+# ---------------------------------------------------------------------- lanes and endpoints
+class _Lane:
+    """One persistent connection to an endpoint and the thread that drives it."""
+
+    def __init__(self, transport: TcpTransport, endpoint: _Endpoint, index: int) -> None:
+        self._t = transport
+        self._ep = endpoint
+        self._cond = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._current: _Job | None = None
+        self._sock: socket.socket | None = None
+        self._reader: FrameReader | None = None
+        self._armed: float | None = None  # the io timeout last set on the socket
+        self._req_id = 0
+        self._closed = False
+        self.load = 0  # bytes assigned and not yet moved (approximate; for dealing parts)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvpool-tcp-{endpoint.name}-{index}")
+        self._thread.start()
+
+    # ---- called by other threads
+    def enqueue(self, job: _Job, announce: bool = True) -> None:
+        """Queue ``job``; ``announce`` wakes the lane thread (else the caller promises to ``run_inline``)."""
+        with self._cond:
+            if not self._closed:
+                self._jobs.append(job)
+                self.load += job.cost
+                if announce:
+                    self._cond.notify()
+                return
+        job.fail_rest(ErrorCode.SHUTTING_DOWN)
+        job.batch.job_done(job)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running (read without the lock: a hint for placing a small request)."""
+        return self._current is None and not self._jobs
+
+    def cancel(self, job: _Job) -> None:
+        with self._cond:
+            queued = job in self._jobs
+            if queued:
+                self._jobs.remove(job)
+                self.load -= job.cost
+            elif self._current is job and self._sock is not None:
+                _shutdown(self._sock)  # wakes the lane from any blocking call on it
+        if queued:
+            job.fail_rest(ErrorCode.TIMEOUT)
+            job.batch.job_done(job)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            jobs, self._jobs = list(self._jobs), deque()
+            self.load = 0
+            if self._sock is not None:
+                _shutdown(self._sock)
+            self._cond.notify()
+        for job in jobs:
+            job.fail_rest(ErrorCode.SHUTTING_DOWN)
+            job.batch.job_done(job)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # ---- the lane's own thread
+    def run_inline(self, job: _Job) -> None:
+        """Run ``job`` on the calling thread if no lane thread has started it and the lane is idle.
+
+        ``wait`` calls this: the waiting thread is blocked anyway, and doing the work itself saves two
+        thread handoffs (wake the lane, wake the waiter) - most of the latency of a single small get.
+        """
+        with self._cond:
+            if self._current is not None or self._closed or job not in self._jobs:
+                return
+            self._jobs.remove(job)
+            self._current = job
+        self._execute(job)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while (not self._jobs or self._current is not None) and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                job = self._current = self._jobs.popleft()
+            self._execute(job)
+        with self._cond:
+            busy = self._current is not None
+        if not busy:  # else the thread running a job inline closes the socket when it is done
+            self._discard()
+
+    def _execute(self, job: _Job) -> None:
+        """Run a job that this thread has claimed (``_current``), then hand the lane back."""
+        try:
+            self._run_job(job)
+        except Exception:  # a bug must fail the job, never hang the caller
+            logger.exception("tcp lane %s: unexpected error", self._ep.name)
+            self._discard()
+            job.fail_rest(ErrorCode.INTERNAL)
+        with self._cond:
+            self._current = None
+            closed = self._closed
+            self.load -= job.cost
+            if self._jobs:
+                self._cond.notify()  # the lane thread may have slept while another thread ran a job
+        if closed:
+            self._discard()
+        job.batch.job_done(job)
+
+    def _run_job(self, job: _Job) -> None:
+        batch = job.batch
+        retried = False
+        while job.done < len(job.parts):
+            if batch.cancelled or batch.deadline.expired():
+                job.fail_rest(ErrorCode.TIMEOUT)
+                return
+            reused = self._sock is not None
+            try:
+                self._connect(batch.deadline)
+                self._pipeline(job)
+            except _Broken as exc:
+                self._discard()
+                code = ErrorCode.TIMEOUT if batch.cancelled else exc.code
+                # A pooled connection may have died while idle (store restarted): every op is idempotent,
+                # so the unanswered parts are retried once on a fresh connection.
+                if code == ErrorCode.CONNECTION_FAILED and reused and not retried:
+                    retried = True
+                    continue
+                if code not in (ErrorCode.TIMEOUT, ErrorCode.CONNECTION_FAILED):
+                    logger.warning("tcp %s: %s (%s)", self._ep.name, code.name, exc)
+                job.fail_rest(code)
+
+    def _connect(self, deadline: Deadline) -> None:
+        if self._sock is not None:
+            return
+        self._ep.check_cooldown()
+        remaining = deadline.remaining()
+        timeout = self._t.connect_timeout if remaining is None else min(self._t.connect_timeout, remaining)
+        try:
+            sock = socket.create_connection(self._ep.address, timeout=max(timeout, 0.001))
+        except OSError as exc:
+            self._ep.connect_failed()
+            code = ErrorCode.TIMEOUT if deadline.expired() else ErrorCode.CONNECTION_FAILED
+            raise _Broken(code, f"connect to {self._ep.name}: {exc}") from None
+        try:
+            sock.settimeout(None)  # blocking: deadlines are kernel timeouts (set_io_timeout)
+            tune_socket(sock, self._t.socket_buffer)
+        except OSError as exc:
+            sock.close()
+            raise _Broken(ErrorCode.CONNECTION_FAILED, f"setsockopt: {exc}") from None
+        with self._cond:
+            if self._closed:
+                sock.close()
+                raise _Broken(ErrorCode.SHUTTING_DOWN, "transport closed")
+            self._sock = sock
+            if self._current is not None and self._current.batch.cancelled:
+                # cancel() ran while we were connecting and had no socket to shut down
+                raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
+        self._reader = FrameReader(sock)
+        self._armed = None
+        self._ep.connected()
+
+    def _discard(self) -> None:
+        with self._cond:
+            sock, self._sock = self._sock, None
+        self._reader = None
+        if sock is not None:
+            sock.close()
+
+    def _arm(self, deadline: Deadline) -> None:
+        """Keep the socket's kernel timeout within a little of the deadline's remaining time."""
+        remaining = deadline.remaining()
+        armed = self._armed
+        if remaining is None:
+            if armed is not None:
+                set_io_timeout(self._sock_or_raise(), None)
+                self._armed = None
+            return
+        if remaining <= 0:
+            raise _Broken(ErrorCode.TIMEOUT, "deadline passed")
+        # Re-arm when the last timeout would overshoot the deadline by more than 10% (or 2 ms).
+        if armed is None or armed - remaining > max(0.002, 0.1 * remaining):
+            set_io_timeout(self._sock_or_raise(), remaining)
+            self._armed = remaining
+
+    def _sock_or_raise(self) -> socket.socket:
+        sock = self._sock
+        if sock is None:
+            raise _Broken(ErrorCode.CONNECTION_FAILED, "not connected")
+        return sock
+
+    def _pipeline(self, job: _Job) -> None:
+        """Send up to ``window`` requests ahead and read responses in order, until the job is answered."""
+        sock = self._sock_or_raise()
+        reader = self._reader
+        assert reader is not None
+        deadline = job.batch.deadline
+        parts = job.parts
+        window = self._t.window
+        max_bytes = self._t.inflight_bytes
+        inflight: deque[tuple[int, _Part]] = deque()
+        inflight_bytes = 0
+        next_send = job.done
+        try:
+            while job.done < len(parts):
+                if job.batch.cancelled:
+                    raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
+                while next_send < len(parts) and len(inflight) < window:
+                    part = parts[next_send]
+                    if inflight and (inflight[0][1].op != part.op  # one direction at a time (docstring)
+                                     or inflight_bytes + len(part.view) > max_bytes):
+                        break
+                    self._req_id += 1
+                    self._arm(deadline)
+                    send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None)
+                    inflight.append((self._req_id, part))
+                    inflight_bytes += len(part.view)
+                    next_send += 1
+                req_id, part = inflight.popleft()
+                inflight_bytes -= len(part.view)
+                self._arm(deadline)
+                job.codes.append(self._receive(reader, req_id, part))
+                job.done += 1
+        except BlockingIOError:
+            raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
+        except KvPoolError as exc:
+            raise _Broken(exc.code, exc.message) from None
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
+            raise _Broken(ErrorCode.CONNECTION_FAILED, str(exc)) from None
+
+    def _receive(self, reader: FrameReader, req_id: int, part: _Part) -> ErrorCode:
+        magic, _op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
+        if magic != MAGIC:
+            raise _Broken(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x} from {self._ep.name}")
+        code = as_code(status)
+        if code in (ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.BAD_FRAME, ErrorCode.UNKNOWN_OP):
+            raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
+        if rid != req_id:
+            raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
+        if code == ErrorCode.OK and part.op == Op.READ:
+            if length != len(part.view):
+                raise _Broken(ErrorCode.BAD_FRAME,
+                              f"READ answered with {length} bytes, {len(part.view)} asked")
+            reader.read_into(part.view)
+        elif code == ErrorCode.OK and part.op == Op.STORE_INFO:
+            if length > MAX_INFO_BYTES:
+                raise _Broken(ErrorCode.BAD_FRAME, f"STORE_INFO of {length} bytes")
+            reply = bytearray(length)
+            reader.read_into(memoryview(reply))
+            part.reply = bytes(reply)
+        elif length:
+            raise _Broken(ErrorCode.BAD_FRAME, f"unexpected {length}-byte payload in a {part.op.name} reply")
+        return code
+
+
+class _Endpoint:
+    """The lanes to one store endpoint, and its reconnect cooldown."""
+
+    def __init__(self, transport: TcpTransport, name: str) -> None:
+        self._t = transport
+        self.name = name
+        self.address = parse_endpoint(name)
+        self._lanes: list[_Lane] = []
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._rr = 0
+        self._closed = False
+
+    def lanes_for(self, n_parts: int) -> list[_Lane]:
+        """The lanes a batch may use: all of them for several parts; for fewer parts than lanes, the idle
+        ones first (a small request should not queue behind a large one), in turn. Lanes (threads and
+        connections) are created on first use only."""
+        count = self._t.connections_per_endpoint
+        if n_parts >= count:
+            if len(self._lanes) < count:
+                self._create(count)
+            return self._lanes
+        lanes = self._lanes
+        start = self._rr  # unlocked round robin: a race only changes which idle lane is picked
+        self._rr = start + n_parts
+        picked = [lanes[(start + i) % len(lanes)] for i in range(len(lanes))] if lanes else []
+        picked = [lane for lane in picked if lane.idle][:n_parts]
+        if len(picked) < n_parts and len(lanes) < count:
+            self._create(min(count, len(lanes) + n_parts - len(picked)))
+            picked += [lane for lane in self._lanes[len(lanes):]][:n_parts - len(picked)]
+        if len(picked) < n_parts:  # all busy: the least loaded
+            rest = sorted((lane for lane in self._lanes if lane not in picked), key=lambda lane: lane.load)
+            picked += rest[:n_parts - len(picked)]
+        return picked
+
+    def _create(self, count: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise KvPoolError(ErrorCode.SHUTTING_DOWN, "transport closed")
+            lanes = list(self._lanes)
+            while len(lanes) < count:
+                lanes.append(_Lane(self._t, self, len(lanes)))
+            self._lanes = lanes  # replaced whole: readers never see a half-built list
+
+    def close(self) -> list[_Lane]:
+        """Close every lane (no new ones after this); returns them, for joining."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.close()
+        return lanes
+
+    def check_cooldown(self) -> None:
+        if time.monotonic() < self._down_until:
+            raise _Broken(ErrorCode.CONNECTION_FAILED, f"{self.name} unreachable (reconnect cooldown)")
+
+    def connect_failed(self) -> None:
+        self._down_until = time.monotonic() + self._t.reconnect_cooldown_s
+
+    def connected(self) -> None:
+        self._down_until = 0.0
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected
+
+
+# ---------------------------------------------------------------------- the transport
+class TcpTransport(Transport):
+    """READ/WRITE of object ranges on stores over pooled, pipelined, striped TCP connections."""
+
+    name = "tcp"
+
+    def __init__(self, connections_per_endpoint: int = 4, stripe_bytes: int = 1 << 20,
+                 connect_timeout: float = 2.0, window: int = 16, socket_buffer: int = SOCKET_BUFFER,
+                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int = 2 << 20) -> None:
+        if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
+                              "connections_per_endpoint, stripe_bytes and window must be >= 1")
+        # READ request frames in flight must fit in the socket send buffer with room to spare (see the
+        # module docstring); the kernel grants at least 2x what we ask, capped by net.core.wmem_max.
+        max_frame = _REQUEST.size + MAX_KEY_BYTES
+        self.window = max(1, min(window, (64 * 1024) // max_frame))
+        # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
+        # socket buffers (measured: a deeper pipeline is slower on loopback, as it leaves the CPU caches).
+        self.inflight_bytes = inflight_bytes
+        self.connections_per_endpoint = connections_per_endpoint
+        self.stripe_bytes = stripe_bytes
+        self.connect_timeout = connect_timeout
+        self.socket_buffer = socket_buffer
+        self.reconnect_cooldown_s = reconnect_cooldown_s
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._closed = False
+
+    # ---- Transport
+    def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
+        return self._submit(requests, deadline, caller_waits=False)
+
+    def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
+        """``submit`` + ``wait``, with the calling thread moving one job itself instead of waking a lane
+        thread for it (it would block in ``wait`` anyway): ~15 us less per small request."""
+        return self._submit(requests, deadline, caller_waits=True).wait(deadline)
+
+    def _submit(self, requests: Sequence[TransferRequest], deadline: Deadline, caller_waits: bool) -> _Batch:
+        batch = _Batch(len(requests), deadline)
+        by_endpoint: dict[str, list[_Part]] = {}
+        for index, req in enumerate(requests):
+            parts = self._split(index, req, batch)
+            if parts:
+                by_endpoint.setdefault(req.replica.tcp_endpoint, []).extend(parts)
+        plan: list[tuple[_Lane, _Job]] = []
+        for name, parts in by_endpoint.items():
+            try:
+                plan.extend(self._deal(batch, self._endpoint(name), parts))
+            except KvPoolError as exc:  # a malformed endpoint, or the transport is closing
+                for part in parts:
+                    batch.codes[part.index] = exc.code
+        # Every job is counted before any starts, so the batch cannot look finished early.
+        for lane, job in plan:
+            batch.add_job(lane, job)
+        batch.seal()
+        for i, (lane, job) in enumerate(plan):
+            # A job left unannounced is still always run: by the waiter (run_inline) if the lane is idle,
+            # else by whoever is running the lane now, which looks at the queue when it finishes.
+            lane.enqueue(job, announce=i > 0 or not caller_waits)
+        return batch
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            endpoints, self._endpoints = list(self._endpoints.values()), {}
+        lanes = [lane for ep in endpoints for lane in ep.close()]
+        for lane in lanes:
+            lane.join(5.0)
+
+    # ---- control ops
+    def ping(self, endpoint: str, deadline: Deadline) -> ErrorCode:
+        """Round-trip a PING to a store over a pooled connection; OK or the failure's code."""
+        code, _ = self._control(endpoint, Op.PING, deadline)
+        return code
+
+    def store_info(self, endpoint: str, deadline: Deadline) -> dict[str, Any]:
+        """The store's self-description (JSON); raises KvPoolError with the failure's code."""
+        code, reply = self._control(endpoint, Op.STORE_INFO, deadline)
+        if code != ErrorCode.OK:
+            raise KvPoolError(code, f"STORE_INFO from {endpoint}")
+        try:
+            info = json.loads(reply)
+        except ValueError as exc:
+            raise KvPoolError(ErrorCode.BAD_FRAME, f"STORE_INFO from {endpoint} is not JSON") from exc
+        if not isinstance(info, dict):
+            raise KvPoolError(ErrorCode.BAD_FRAME, f"STORE_INFO from {endpoint} is not an object")
+        return info
+
+    def _control(self, name: str, op: Op, deadline: Deadline) -> tuple[ErrorCode, bytes]:
+        batch = _Batch(1, deadline)
+        part = _Part(0, op, memoryview(b""))
+        job = _Job(batch, [part])
+        try:
+            lane = self._endpoint(name).lanes_for(1)[0]
+        except KvPoolError as exc:
+            return exc.code, b""
+        batch.add_job(lane, job)
+        batch.seal()
+        lane.enqueue(job, announce=False)  # wait() runs it (or the lane's current runner does)
+        return batch.wait(deadline)[0], part.reply
+
+    # ---- planning
+    def _endpoint(self, name: str) -> _Endpoint:
+        endpoint = self._endpoints.get(name)  # the common case, without the lock
+        if endpoint is not None and not self._closed:
+            return endpoint
+        with self._lock:
+            if self._closed:
+                raise KvPoolError(ErrorCode.SHUTTING_DOWN, "transport closed")
+            endpoint = self._endpoints.get(name)
+            if endpoint is None:
+                endpoint = self._endpoints[name] = _Endpoint(self, name)
+            return endpoint
+
+    def _split(self, index: int, req: TransferRequest, batch: _Batch) -> list[_Part]:
+        """The parts of one request; a request that cannot be sent gets its code in ``batch`` instead."""
+        replica = req.replica
+        length = replica.length
+        try:
+            view = req.buffer if req.buffer.format == "B" and req.buffer.ndim == 1 else req.buffer.cast("B")
+        except TypeError:
+            batch.codes[index] = ErrorCode.INVALID_ARGUMENT  # not C-contiguous
+            return []
+        if req.op == GrantOp.READ:
+            if view.readonly:
+                batch.codes[index] = ErrorCode.INVALID_ARGUMENT
+                return []
+            if len(view) < length:
+                batch.codes[index] = ErrorCode.BUFFER_TOO_SMALL
+                return []
+            op = Op.READ
+        else:
+            if len(view) != length:
+                batch.codes[index] = ErrorCode.INVALID_ARGUMENT
+                return []
+            op = Op.WRITE
+        if len(req.key) > MAX_KEY_BYTES:
+            batch.codes[index] = ErrorCode.KEY_TOO_LONG
+            return []
+        grant = replica.grant(req.op, req.key)
+        n_parts = max(1, -(-length // self.stripe_bytes))
+        size = -(-length // n_parts) if length else 0
+        return [_Part(index, op, view[off:min(off + size, length)], grant, req.checksum, off)
+                for off in (range(0, length, size) if length else (0,))]
+
+    def _deal(self, batch: _Batch, endpoint: _Endpoint, parts: list[_Part]) -> list[tuple[_Lane, _Job]]:
+        """Give each part to the least-loaded lane (bytes queued + a per-request cost), in order."""
+        lanes = endpoint.lanes_for(len(parts))
+        if len(lanes) == 1:
+            cost = sum(len(p.view) for p in parts) + _PART_OVERHEAD * len(parts)
+            return [(lanes[0], _Job(batch, parts, cost))]
+        per_lane: list[list[_Part]] = [[] for _ in lanes]
+        loads = [lane.load for lane in lanes]
+        added = [0] * len(lanes)
+        for part in parts:
+            i = loads.index(min(loads))
+            per_lane[i].append(part)
+            cost = len(part.view) + _PART_OVERHEAD
+            loads[i] += cost
+            added[i] += cost
+        return [(lane, _Job(batch, lane_parts, cost))
+                for lane, lane_parts, cost in zip(lanes, per_lane, added, strict=True) if lane_parts]

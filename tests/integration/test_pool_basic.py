@@ -1,0 +1,165 @@
+"""The foundation end to end: a master and stores as real processes, a client over real sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from kvpool.common.errors import ErrorCode
+from kvpool.proto import frames
+from kvpool.tools.local_cluster import LocalCluster
+from tests.support.cluster import client, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("size", [1, 100, 4096, 65_537, 1 << 20, (4 << 20) + 3])
+def test_round_trip_of_many_sizes(cluster: LocalCluster, size: int) -> None:
+    value = os.urandom(size)
+    with client(cluster.master) as pool:
+        assert pool.put(f"k-{size}", value) == 0
+        assert pool.get(f"k-{size}") == value
+        buf = bytearray(size + 10)
+        assert pool.get_into(f"k-{size}", buf) == size
+        assert bytes(buf[:size]) == value
+
+
+def test_empty_values_are_rejected_with_a_clear_code(cluster: LocalCluster) -> None:
+    with client(cluster.master) as pool:
+        assert pool.put("empty", b"") == ErrorCode.INVALID_ARGUMENT
+        assert pool.get("empty") is None
+        assert pool.batch_exists(["empty"]) == [0]
+
+
+def test_values_are_immutable_and_a_second_put_is_a_noop(cluster: LocalCluster) -> None:
+    with client(cluster.master) as pool:
+        assert pool.put("imm", b"first") == 0
+        assert pool.put("imm", b"second value") == 0  # OBJECT_ALREADY_EXISTS maps to success
+        assert pool.get("imm") == b"first"
+
+
+def test_batches_with_mixed_hits_and_misses(cluster: LocalCluster) -> None:
+    keys = [f"mix-{i}" for i in range(64)]
+    values = [os.urandom(1000 + i) for i in range(64)]
+    with client(cluster.master) as pool:
+        assert pool.batch_put_from(keys[::2], values[::2]) == [0] * 32
+        assert pool.batch_exists(keys[:4]) == [1, 0, 1, 0]
+        assert pool.prefix_length(keys) == 1
+        buffers = [bytearray(2000) for _ in keys]
+        codes = pool.batch_get_into(keys, buffers)
+        for i, code in enumerate(codes):
+            if i % 2 == 0:
+                assert code == len(values[i])
+                assert bytes(buffers[i][:code]) == values[i]
+            else:
+                assert code == ErrorCode.OBJECT_NOT_FOUND
+        small = [bytearray(10) for _ in keys[:2]]
+        assert pool.batch_get_into(keys[:2], small) == [ErrorCode.BUFFER_TOO_SMALL, ErrorCode.OBJECT_NOT_FOUND]
+
+
+def test_remove_and_leases(cluster: LocalCluster) -> None:
+    with client(cluster.master) as pool:
+        assert pool.put("rm", b"x" * 100) == 0
+        assert pool.get("rm") == b"x" * 100          # grants a read lease
+        assert pool.remove("rm") == ErrorCode.OBJECT_HAS_LEASE
+        assert pool.remove("rm", force=True) == 0
+        assert pool.get("rm") is None
+        assert pool.remove("rm") == ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_two_clients_racing_on_one_key_never_see_a_torn_value(cluster: LocalCluster) -> None:
+    size = 2 << 20
+    candidates = {bytes([i]) * size for i in range(2)}
+    errors: list[str] = []
+    seen: list[bytes] = []
+
+    def writer(fill: int) -> None:
+        with client(cluster.master) as pool:
+            for round_ in range(10):
+                code = pool.put(f"race-{round_}", bytes([fill]) * size)
+                if code != 0:
+                    errors.append(f"put {code}")
+
+    def reader() -> None:
+        with client(cluster.master) as pool:
+            deadline = time.monotonic() + 10
+            done = 0
+            while done < 10 and time.monotonic() < deadline:
+                value = pool.get(f"race-{done}")
+                if value is not None:
+                    seen.append(value)
+                    done += 1
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert len(seen) == 10
+    assert all(v in candidates for v in seen), "a reader saw a torn or mixed value"
+    with client(cluster.master) as pool:
+        final = [pool.get(f"race-{i}") for i in range(10)]
+    assert all(v in candidates for v in final)
+
+
+def test_killed_store_objects_become_misses_and_no_call_hangs(make_cluster: object) -> None:
+    cluster = make_cluster(stores=2, store_size="32MiB")  # type: ignore[operator]
+    with client(cluster.master, timeout_s=2.0) as pool:
+        keys = [f"dead-{i}" for i in range(40)]
+        assert pool.batch_put_from(keys, [os.urandom(4096) for _ in keys]) == [0] * 40
+        victim = cluster.stores[0]
+        cluster.kill(victim)
+        # Until the master expires the store, reads of its objects fail fast (connection refused) ...
+        started = time.monotonic()
+        codes = pool.batch_get_into(keys, [bytearray(4096) for _ in keys])
+        assert time.monotonic() - started < 2.5
+        assert all(c == 4096 or c < 0 for c in codes)
+        # ... and after the expiry (2 s here) they are plain misses; the survivor's objects stay readable.
+        wait_for(lambda: len(pool.stats().segments) == 1, 15, "the master to expire the killed store")
+        present = pool.batch_exists(keys)
+        assert 0 < sum(present) < len(keys)
+        alive = [k for k, p in zip(keys, present, strict=True) if p]
+        assert all(c == 4096 for c in pool.batch_get_into(alive, [bytearray(4096) for _ in alive]))
+
+
+def test_eviction_under_memory_pressure_keeps_recent_objects(make_cluster: object) -> None:
+    cluster = make_cluster(stores=1, store_size="16MiB")  # type: ignore[operator]
+    value = os.urandom(256 << 10)
+    with client(cluster.master) as pool:
+        keys = [f"ev-{i}" for i in range(200)]  # 50 MiB through a 16 MiB pool
+        for key in keys:
+            assert pool.put(key, value) == 0, key
+        stats = pool.stats()
+        assert stats.evictions > 0
+        assert stats.used <= stats.capacity
+        assert pool.get(keys[-1]) == value  # the newest survive
+        assert pool.batch_exists(keys[:10]) == [0] * 10  # the oldest went first
+
+
+def test_master_rpc_port_survives_garbage(cluster: LocalCluster) -> None:
+    with client(cluster.master) as pool:
+        assert pool.put("before", b"1") == 0
+        host, port = pool._master.info.rpc_endpoint.rsplit(":", 1)  # type: ignore[union-attr]
+    for payload in (os.urandom(64), frames.pack_header(999, 1, 0), frames.pack_header(frames.Op.BATCH_EXISTS, 1, 5)
+                    + b"\xff" * 5, b"KVP1" + b"\x00" * 10):
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(4096):
+                pass  # the master answers or closes; it must not hang or die
+    with client(cluster.master) as pool:
+        assert pool.get("before") == b"1"
+
+
+def test_local_cluster_stop_leaves_no_process(tmp_path: object) -> None:
+    cluster = LocalCluster(stores=1, store_size="16MiB", base_dir=tmp_path).start()  # type: ignore[arg-type]
+    pids = [p.pid for p in cluster.processes]
+    cluster.stop()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

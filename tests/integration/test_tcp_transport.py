@@ -1,0 +1,467 @@
+"""TcpTransport against real data-plane servers: exact bytes, striping, batches, failures, deadlines, no leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.grants import GrantOp, make_grant, new_secret
+from kvpool.store.dataplane import DataPlaneServer
+from kvpool.store.inventory import Inventory
+from kvpool.store.segment import ShmSegment
+from kvpool.transfer.base import Replica, TransferRequest
+from kvpool.transfer.tcp import TcpTransport, parse_endpoint
+
+pytestmark = pytest.mark.integration
+
+SEG_SIZE = 48 << 20
+SIZES = [1, 4096, 65_537, 1 << 20, (4 << 20) + 3]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@dataclass
+class Store:
+    endpoint: str
+    segment_id: int
+    secret: bytes
+    server: DataPlaneServer | None = None
+    segment: ShmSegment | None = None
+    inventory: Inventory | None = None
+
+    def replica(self, op: GrantOp, key: bytes, offset: int, length: int, expiry_ms: int | None = None,
+                mac: bytes | None = None) -> Replica:
+        expiry = time.time_ns() // 1_000_000 + 60_000 if expiry_ms is None else expiry_ms
+        g = make_grant(self.secret, op, self.segment_id, offset, length, expiry, key)
+        return Replica(self.segment_id, "node", self.endpoint, "", offset, length, expiry,
+                       g.mac if mac is None else mac)
+
+    def request(self, op: GrantOp, key: bytes, offset: int, buf: memoryview, checksum: int = 0,
+                length: int | None = None) -> TransferRequest:
+        n = len(buf) if length is None else length
+        return TransferRequest(op, key, self.replica(op, key, offset, n), buf, checksum)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.segment is not None:
+            self.segment.close()
+
+
+def start_store(tmp: Path, port: int = 0, **kwargs: object) -> Store:
+    seg = ShmSegment.create(str(tmp), f"seg-{time.monotonic_ns()}", SEG_SIZE, replace=True)
+    secret = new_secret()
+    inventory = Inventory()
+    server = DataPlaneServer("127.0.0.1", port, {seg.id: seg}, {seg.id: secret}, inventory, **kwargs)  # type: ignore[arg-type]
+    server.start()
+    return Store(f"127.0.0.1:{server.port}", seg.id, secret, server, seg, inventory)
+
+
+@pytest.fixture
+def threads_settle() -> Iterator[None]:
+    """Every thread started by the test (transport lanes, server connections) is gone afterwards."""
+    before = threading.active_count()
+    yield
+    wait_until(lambda: threading.active_count() <= before, what="threads to end")
+
+
+@pytest.fixture
+def store(tmp_path: Path, threads_settle: None) -> Iterator[Store]:
+    s = start_store(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+        assert s.server is not None and s.server.statistics().connections == 0
+
+
+@pytest.fixture
+def transport(threads_settle: None) -> Iterator[TcpTransport]:
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=1 << 20, connect_timeout=2.0,
+                     reconnect_cooldown_s=0.0)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def random_bytes(n: int, seed: int = 0) -> bytearray:
+    return bytearray(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+def lay_out(sizes: list[int], align: int = 4096) -> list[int]:
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += -(-n // align) * align
+    assert pos <= SEG_SIZE
+    return offsets
+
+
+def put_then_get(t: TcpTransport, s: Store, sizes: list[int], deadline_s: float = 20.0) -> None:
+    offsets = lay_out(sizes)
+    values = [random_bytes(n, i) for i, n in enumerate(sizes)]
+    keys = [b"key-%d" % i for i in range(len(sizes))]
+    puts = [s.request(GrantOp.WRITE, k, off, memoryview(v), checksum=i)
+            for i, (k, off, v) in enumerate(zip(keys, offsets, values, strict=True))]
+    assert t.transfer(puts, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
+    outs = [bytearray(n) for n in sizes]
+    gets = [s.request(GrantOp.READ, k, off, memoryview(o)) for k, off, o in zip(keys, offsets, outs, strict=True)]
+    assert t.transfer(gets, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
+    for i, (v, o) in enumerate(zip(values, outs, strict=True)):
+        assert v == o, f"object {i} ({len(v)} bytes) differs"
+
+
+# ---------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip_of_each_size(transport: TcpTransport, store: Store, size: int) -> None:
+    put_then_get(transport, store, [size])
+    assert store.inventory is not None
+    assert [(e.key, e.length) for e in store.inventory.entries(store.segment_id)] == [(b"key-0", size)]
+
+
+def test_round_trip_of_all_sizes_in_one_batch(transport: TcpTransport, store: Store) -> None:
+    put_then_get(transport, store, SIZES * 2)
+    assert store.inventory is not None and len(store.inventory) == len(SIZES) * 2
+
+
+def test_large_objects_are_striped_over_every_connection(store: Store, threads_settle: None) -> None:
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=64 << 10)
+    try:
+        put_then_get(t, store, [(4 << 20) + 3])
+        assert store.server is not None
+        stats = store.server.statistics()
+        assert stats.connections == 4
+        assert stats.requests == 2 * 65  # ceil((4 MiB + 3) / 64 KiB) parts each way
+    finally:
+        t.close()
+    assert store.inventory is not None and len(store.inventory) == 1
+
+
+def test_a_batch_of_256_objects(transport: TcpTransport, store: Store) -> None:
+    put_then_get(transport, store, [4096] * 256)
+    put_then_get(transport, store, [(i * 7919) % 150_000 + 1 for i in range(256)])
+
+
+def test_a_batch_of_256_objects_on_one_connection_with_a_small_window(store: Store, threads_settle: None) -> None:
+    t = TcpTransport(connections_per_endpoint=1, window=2)
+    try:
+        put_then_get(t, store, [100_000] * 256)
+    finally:
+        t.close()
+
+
+def test_reads_and_writes_mixed_in_one_batch(transport: TcpTransport, store: Store) -> None:
+    first = random_bytes(300_000, 1)
+    assert transport.transfer([store.request(GrantOp.WRITE, b"a", 0, memoryview(first))], Deadline(5)) == [0]
+    second = random_bytes(300_000, 2)
+    out = bytearray(300_000)
+    batch = []
+    for i in range(10):  # alternate directions: the lane must drain between them
+        batch.append(store.request(GrantOp.READ, b"a", 0, memoryview(out)) if i % 2 else
+                     store.request(GrantOp.WRITE, b"b%d" % i, (1 << 20) * (i + 1), memoryview(second)))
+    assert transport.transfer(batch, Deadline(10)) == [ErrorCode.OK] * 10
+    assert out == first
+
+
+def test_reads_into_a_larger_buffer_and_numpy_views(transport: TcpTransport, store: Store) -> None:
+    value = random_bytes(10_000, 3)
+    assert transport.transfer([store.request(GrantOp.WRITE, b"v", 0, memoryview(value))], Deadline(5)) == [0]
+    dest = np.zeros(20_000 // 4, dtype=np.float32)  # a non-byte format: cast to bytes by the transport
+    req = store.request(GrantOp.READ, b"v", 0, memoryview(dest), length=10_000)
+    assert transport.transfer([req], Deadline(5)) == [ErrorCode.OK]
+    assert dest.view(np.uint8)[:10_000].tobytes() == value
+    assert not dest.view(np.uint8)[10_000:].any()
+
+
+def test_concurrent_batches_from_many_threads(transport: TcpTransport, store: Store) -> None:
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            value = random_bytes(200_000 + i, i)
+            off = i * (1 << 20)
+            for _ in range(5):
+                assert transport.transfer([store.request(GrantOp.WRITE, b"t%d" % i, off, memoryview(value))],
+                                          Deadline(10)) == [0]
+                out = bytearray(len(value))
+                assert transport.transfer([store.request(GrantOp.READ, b"t%d" % i, off, memoryview(out))],
+                                          Deadline(10)) == [0]
+                assert out == value
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
+def test_submit_returns_before_the_transfer_is_done(transport: TcpTransport, store: Store) -> None:
+    value = random_bytes(8 << 20)
+    batch = transport.submit([store.request(GrantOp.WRITE, b"big", 0, memoryview(value))], Deadline(10))
+    assert batch.wait(Deadline(10)) == [ErrorCode.OK]
+    assert batch.wait(Deadline(10)) == [ErrorCode.OK]  # waiting twice is fine
+
+
+def test_empty_batch(transport: TcpTransport) -> None:
+    assert transport.transfer([], Deadline(1)) == []
+
+
+# ---------------------------------------------------------------------- per-request errors
+def test_each_request_gets_its_own_code(transport: TcpTransport, store: Store) -> None:
+    ok = random_bytes(5000)
+    past = time.time_ns() // 1_000_000 - 1
+    reqs = [
+        store.request(GrantOp.WRITE, b"ok", 0, memoryview(ok)),
+        TransferRequest(GrantOp.WRITE, b"forged", store.replica(GrantOp.WRITE, b"forged", 8192, 5000,
+                                                                 mac=bytes(16)), memoryview(ok)),
+        TransferRequest(GrantOp.WRITE, b"old", store.replica(GrantOp.WRITE, b"old", 16384, 5000, expiry_ms=past),
+                        memoryview(ok)),
+        store.request(GrantOp.WRITE, b"oob", SEG_SIZE - 100, memoryview(ok)),
+        store.request(GrantOp.WRITE, b"short", 32768, memoryview(ok), length=4000),
+        store.request(GrantOp.WRITE, b"ok2", 65536, memoryview(ok)),
+    ]
+    assert transport.transfer(reqs, Deadline(5)) == [
+        ErrorCode.OK, ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.OUT_OF_BOUNDS,
+        ErrorCode.INVALID_ARGUMENT, ErrorCode.OK]
+    small = bytearray(10)
+    readonly = memoryview(bytes(5000))
+    reads = [store.request(GrantOp.READ, b"ok", 0, memoryview(small), length=5000),
+             store.request(GrantOp.READ, b"ok", 0, readonly),
+             TransferRequest(GrantOp.READ, b"x" * 600, store.replica(GrantOp.READ, b"x", 0, 10),
+                             memoryview(bytearray(10)))]
+    assert transport.transfer(reads, Deadline(5)) == [ErrorCode.BUFFER_TOO_SMALL, ErrorCode.INVALID_ARGUMENT,
+                                                      ErrorCode.KEY_TOO_LONG]
+
+
+def test_unknown_segment(transport: TcpTransport, store: Store) -> None:
+    other = Store(store.endpoint, store.segment_id + 1, store.secret)
+    buf = bytearray(100)
+    assert transport.transfer([other.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(5)) == \
+        [ErrorCode.SEGMENT_NOT_FOUND]
+
+
+def test_bad_endpoints(transport: TcpTransport) -> None:
+    s = Store("no-port-here", 1, new_secret())
+    assert transport.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(bytearray(5)))], Deadline(1)) == \
+        [ErrorCode.INVALID_ARGUMENT]
+    assert parse_endpoint("[::1]:80") == ("::1", 80)
+    with pytest.raises(KvPoolError):
+        parse_endpoint("host:99999")
+
+
+# ---------------------------------------------------------------------- dead and silent peers
+def test_a_dead_endpoint_fails_fast_with_connection_failed(transport: TcpTransport, store: Store) -> None:
+    dead = Store(f"127.0.0.1:{free_port()}", 5, new_secret())
+    value = random_bytes(100_000)
+    out = bytearray(len(value))
+    t0 = time.monotonic()
+    reqs = [dead.request(GrantOp.WRITE, b"x", 0, memoryview(value)),
+            store.request(GrantOp.WRITE, b"y", 0, memoryview(value)),
+            dead.request(GrantOp.READ, b"x", 0, memoryview(out))]
+    assert transport.transfer(reqs, Deadline(5)) == [ErrorCode.CONNECTION_FAILED, ErrorCode.OK,
+                                                     ErrorCode.CONNECTION_FAILED]
+    assert time.monotonic() - t0 < 1.0
+    assert transport.ping(dead.endpoint, Deadline(2)) == ErrorCode.CONNECTION_FAILED
+
+
+class SilentServer:
+    """Accepts connections and reads nothing, answers nothing."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.thread.join()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_server_that_never_answers_gives_timeout_by_the_deadline(transport: TcpTransport,
+                                                                   threads_settle: None) -> None:
+    silent = SilentServer()
+    try:
+        s = Store(f"127.0.0.1:{silent.port}", 1, new_secret())
+        bufs = [bytearray(64 << 10) for _ in range(8)]
+        big = random_bytes(32 << 20)  # more than the socket buffers hold: the send itself blocks
+        reqs = [s.request(GrantOp.READ, b"k%d" % i, 0, memoryview(b)) for i, b in enumerate(bufs)]
+        reqs.append(s.request(GrantOp.WRITE, b"big", 0, memoryview(big)))
+        t0 = time.monotonic()
+        assert transport.transfer(reqs, Deadline(0.5)) == [ErrorCode.TIMEOUT] * 9
+        elapsed = time.monotonic() - t0
+        assert 0.45 < elapsed < 1.5, elapsed
+        assert transport.ping(s.endpoint, Deadline(0.2)) == ErrorCode.TIMEOUT
+    finally:
+        silent.close()
+
+
+def test_wait_with_a_shorter_deadline_cancels_and_leaves_the_buffer_alone(transport: TcpTransport,
+                                                                          threads_settle: None) -> None:
+    silent = SilentServer()
+    try:
+        s = Store(f"127.0.0.1:{silent.port}", 1, new_secret())
+        buf = bytearray(1 << 20)
+        batch = transport.submit([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(30))
+        t0 = time.monotonic()
+        assert batch.wait(Deadline(0.2)) == [ErrorCode.TIMEOUT]
+        assert time.monotonic() - t0 < 1.5
+        # the lane has given up: the server's late bytes (none here) could not land in buf any more
+        assert silent.conns, "the lane did connect"
+        for c in silent.conns:
+            c.setblocking(False)
+        wait_until(lambda: all(_peer_closed(c) for c in silent.conns), what="cancelled connection to close")
+    finally:
+        silent.close()
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+    try:
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_restarted_store_is_reconnected_transparently(tmp_path: Path, transport: TcpTransport) -> None:
+    s1 = start_store(tmp_path)
+    try:
+        put_then_get(transport, s1, [1000, 2 << 20])
+    finally:
+        s1.stop()
+    # Same port, new process state: the pooled connections are dead; the next batch must not fail.
+    port = int(s1.endpoint.rsplit(":", 1)[1])
+    s2 = start_store(tmp_path, port=port)
+    try:
+        put_then_get(transport, s2, [1000, 2 << 20])
+    finally:
+        s2.stop()
+
+
+def test_too_many_connections_is_reported(tmp_path: Path, threads_settle: None) -> None:
+    s = start_store(tmp_path, max_connections=1)
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=64 << 10, reconnect_cooldown_s=0.0)
+    try:
+        value = random_bytes(1 << 20)
+        codes = t.transfer([s.request(GrantOp.WRITE, b"k", 0, memoryview(value))], Deadline(5))
+        assert codes in ([ErrorCode.TOO_MANY_CONNECTIONS], [ErrorCode.CONNECTION_FAILED])
+    finally:
+        t.close()
+        s.stop()
+
+
+# ---------------------------------------------------------------------- control ops and lifecycle
+def test_ping_and_store_info(transport: TcpTransport, store: Store) -> None:
+    assert transport.ping(store.endpoint, Deadline(2)) == ErrorCode.OK
+    info = transport.store_info(store.endpoint, Deadline(2))
+    assert info["segments"][0]["id"] == store.segment_id
+    with pytest.raises(KvPoolError) as exc:
+        transport.store_info(f"127.0.0.1:{free_port()}", Deadline(2))
+    assert exc.value.code == ErrorCode.CONNECTION_FAILED
+
+
+def test_close_ends_every_thread_and_later_submits_fail(store: Store, threads_settle: None) -> None:
+    t = TcpTransport()
+    put_then_get(t, store, [3 << 20])
+    t.close()
+    t.close()
+    buf = bytearray(10)
+    assert t.transfer([store.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(1)) == \
+        [ErrorCode.SHUTTING_DOWN]
+    assert store.server is not None
+    wait_until(lambda: store.server is not None and store.server.statistics().connections == 0)
+
+
+# ---------------------------------------------------------------------- a store in another process
+STORE_SCRIPT = """
+import json, sys
+from kvpool.common.grants import new_secret
+from kvpool.store.dataplane import DataPlaneServer
+from kvpool.store.inventory import Inventory
+from kvpool.store.segment import ShmSegment
+seg = ShmSegment.create(sys.argv[1], "seg", 64 << 20)
+secret = new_secret()
+server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory())
+server.start()
+print(json.dumps({"port": server.port, "id": seg.id, "secret": secret.hex()}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def store_process(tmp_path: Path) -> Iterator[tuple[Store, subprocess.Popen[str]]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", STORE_SCRIPT, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        yield Store(f"127.0.0.1:{info['port']}", info["id"], bytes.fromhex(info["secret"])), proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_store_killed_mid_batch_fails_only_that_batch(store_process: tuple[Store, subprocess.Popen[str]],
+                                                        store: Store, transport: TcpTransport) -> None:
+    remote, proc = store_process
+    put_then_get(transport, remote, [1 << 20, 5])
+    values = [random_bytes(1 << 20, i) for i in range(48)]
+    reqs = [remote.request(GrantOp.WRITE, b"k%d" % i, i << 20, memoryview(v)) for i, v in enumerate(values)]
+    batch = transport.submit(reqs, Deadline(20))
+    proc.send_signal(signal.SIGKILL)
+    codes = batch.wait(Deadline(20))
+    assert set(codes) <= {ErrorCode.OK, ErrorCode.CONNECTION_FAILED}
+    # another store is unaffected, and the dead one fails fast from now on
+    put_then_get(transport, store, [1 << 20])
+    t0 = time.monotonic()
+    assert transport.transfer(reqs[:2], Deadline(5)) == [ErrorCode.CONNECTION_FAILED] * 2
+    assert time.monotonic() - t0 < 1.0
