@@ -171,14 +171,14 @@ class Worker(Proc):
         stdin.flush()
         return self._answer(timeout)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
+    def stop(self, timeout: float = 10.0, fast: bool = False) -> None:
+        if not fast and self.proc.poll() is None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.write(b'{"cmd": "quit"}\n')
                 self.proc.stdin.flush()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-        super().stop()
+        super().stop(2.0 if fast else 5.0)
 
 
 # --- the three systems -----------------------------------------------------------------------------------
@@ -200,11 +200,13 @@ class System:
         """Filler the warm step writes (and removes) so that all of the server's memory is touched."""
         return max(0, int(self.segment * 0.75) - dataset)
 
-    def stop(self) -> None:
+    def stop(self, fast: bool = False) -> None:
+        """Stop the client and the servers (``fast``: signal at once, no goodbye to a busy client)."""
         if self.client is not None:
-            self.client.stop()
+            self.client.stop(fast=fast)
+            self.client = None
         for proc in reversed(self.procs):
-            proc.stop()
+            proc.stop(2.0 if fast else 5.0)
         self.procs.clear()
 
 
@@ -277,9 +279,9 @@ class Kvpool(System):
         self.info = {"master": self.cluster.master, "store_size_bytes": self.segment,
                      "version": self.client.ready.get("version")}
 
-    def stop(self) -> None:
+    def stop(self, fast: bool = False) -> None:
         try:
-            super().stop()
+            super().stop(fast)
         finally:
             if self.cluster is not None:
                 self.cluster.stop()
@@ -512,7 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the processes' logs (they are always kept on failure)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every acceptance line passes")
+    parser.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
+    parser.add_argument("--show", metavar="PATH", help="print the table of a saved JSON object and exit")
     args = parser.parse_args(argv)
+    if args.show:
+        print(human(json.loads(Path(args.show).read_text())))
+        return 0
 
     runs = args.runs or (1 if args.quick else 3)
     seconds = args.seconds or (0.3 if args.quick else 1.0)
@@ -539,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings: dict[int, list[float | None]] = {s: [] for s in SIZES}
     memcpys: list[float | None] = []
     loads: list[float] = [os.getloadavg()[0]]
-    failed = False
+    failed = interrupted = False
     old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     t_start = time.monotonic()
     try:
@@ -597,13 +604,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{_fmt(_metric({'op': op, **res}), op):>10}  p50 {res['p50_us']:.0f} us"
                         + (f"  ERRORS {res['errors']}" if res.get("errors") else ""))
     except KeyboardInterrupt as exc:
-        log(f"interrupted ({exc}); stopping everything")
-        failed = True
-        raise
+        log(f"interrupted ({exc or 'Ctrl-C'}); stopping everything")
+        failed = interrupted = True
     finally:
         for system in systems:
             with contextlib.suppress(Exception):
-                system.stop()
+                system.stop(fast=interrupted)
         for sig, handler in old.items():
             signal.signal(sig, handler)
         if failed or args.keep_logs:
@@ -612,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
             shutil.rmtree(logdir, ignore_errors=True)
 
+    if interrupted:
+        return 130
     rows = summarise(samples, missing)
     ceiling_med = {s: _median(list(v)) for s, v in ceilings.items()}
     memcpy_med = _median(list(memcpys))
@@ -634,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
+    if args.save:
+        Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc) if args.json else human(doc))
     if args.check and not all(e["pass"] for e in doc["acceptance"].values()):
         return 1

@@ -79,7 +79,7 @@ class MasterClient:
 
     def __init__(self, master: str, *, token_file: str = "", cluster: str = "kvpool",
                  breaker_backoff_s: float = 0.5, breaker_max_backoff_s: float = 5.0,
-                 resolver: Callable[[], str] | None = None) -> None:
+                 resolver: Callable[[float], str] | None = None) -> None:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
         self._resolve = resolver or _make_resolver(master, cluster)
@@ -97,7 +97,7 @@ class MasterClient:
 
     def _discover(self, deadline: Deadline) -> str:
         """Ask the (current) master where its framed endpoint is; remember the answer."""
-        grpc_endpoint = self._resolve()
+        grpc_endpoint = self._resolve(_timeout(deadline, 2.0))
         with grpc.insecure_channel(grpc_endpoint) as channel:
             stub = pb_grpc.MasterServiceStub(channel)
             try:
@@ -164,7 +164,9 @@ class MasterClient:
     def call(self, op: frames.Op, request: Any, deadline: Deadline) -> Any:
         """One hot call over the framed protocol; raises KvPoolError (UNAVAILABLE when down)."""
         if not self._breaker.allow():
-            raise KvPoolError(ErrorCode.UNAVAILABLE, "master unreachable (circuit open)")
+            if not self._leader_changed():
+                raise KvPoolError(ErrorCode.UNAVAILABLE, "master unreachable (circuit open)")
+            self._breaker.success()  # a new leader is published: try it now, not after the backoff
         _name, _req_type, resp_type = frames.RPC_METHODS[op]
         body = request.SerializeToString()
         for attempt in range(2):
@@ -203,6 +205,13 @@ class MasterClient:
             return response
         raise KvPoolError(ErrorCode.UNAVAILABLE, "no serving master")  # unreachable; keeps mypy sure
 
+    def _leader_changed(self) -> bool:
+        """Whether the address resolver now names another master than the one that failed."""
+        try:
+            return self._resolve(0.0) != self._grpc_endpoint
+        except KvPoolError:
+            return False
+
     def _accept_view(self, view: int) -> bool:
         """Refuse answers from a leader older than one we already heard from (a deposed leader)."""
         with self._lock:
@@ -238,11 +247,11 @@ def _timeout(deadline: Deadline, cap: float) -> float:
     return cap if remaining is None else max(0.001, min(cap, remaining))
 
 
-def _make_resolver(master: str, cluster: str) -> Callable[[], str]:
+def _make_resolver(master: str, cluster: str) -> Callable[[float], str]:
     """host:port -> itself; etcd://... -> the current leader's gRPC endpoint (watched)."""
     if master.startswith("etcd://"):
-        from kvpool.client.leader import etcd_resolver
+        from kvpool.common.leader_watch import etcd_resolver
 
         return etcd_resolver(master, cluster)
     split_endpoint(master)  # validate early: a typo should fail at construction, not on first call
-    return lambda: master
+    return lambda wait_s=0.0: master

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ __all__ = [
     "LeaderWatch",
     "leader_key",
     "parse_leader",
+    "etcd_resolver",
     "parse_master_address",
     "vacancy_value",
 ]
@@ -166,3 +168,39 @@ def parse_master_address(address: str) -> tuple[Literal["direct"], str] | tuple[
     except KvPoolError:
         raise bad from None
     return "direct", endpoint
+
+
+# --- address resolution for clients and stores (one watch per endpoints+cluster per process) ---
+
+_watches_lock = threading.Lock()
+_watches: dict[tuple[str, str], LeaderWatch] = {}
+
+
+def _watch_for(endpoints: list[str], cluster: str) -> LeaderWatch:
+    key = (",".join(endpoints), cluster)
+    with _watches_lock:
+        watch = _watches.get(key)
+        if watch is None:
+            watch = LeaderWatch(EtcdClient(endpoints, timeout=2.0), cluster)
+            _watches[key] = watch
+        return watch
+
+
+def etcd_resolver(master: str, cluster: str) -> Callable[[float], str]:
+    """A function ``resolve(wait_s)`` returning the current leader's gRPC endpoint, waiting up to
+    ``wait_s`` for one to be elected (callers pass what is left of their deadline)."""
+    kind, endpoints = parse_master_address(master)
+    if kind != "etcd":
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"not an etcd:// address: {master!r}")
+    assert isinstance(endpoints, list)
+
+    def resolve(wait_s: float = 5.0) -> str:
+        watch = _watch_for(endpoints, cluster)
+        leader = watch.get() or watch.wait_for_change(None, wait_s)
+        address = leader.address("grpc") if leader else None
+        if not address:
+            raise KvPoolError(ErrorCode.UNAVAILABLE, f"no master leader in etcd {','.join(endpoints)} "
+                                                     f"(cluster {cluster!r})")
+        return address
+
+    return resolve

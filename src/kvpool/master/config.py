@@ -18,7 +18,7 @@ class MasterConfig:
     advertise: str = option("", "Host name other machines use to reach this master (default: --host).")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
     etcd: str = option("", "etcd endpoints h1:p1,h2:p2 for high availability; empty = a single master, no etcd.")
-    leader_ttl_s: float = option(5.0, "Lease TTL of the leader key in etcd; a new leader also waits this long "
+    leader_ttl_s: float = option(3.0, "Lease TTL of the leader key in etcd; a new leader also waits this long "
                                       "before serving.", parse=parse_duration)
     num_shards: int = option(1024, "Metadata shards (each with its own lock).")
     lease_ttl_s: float = option(10.0, "Read lease granted by get-replicas; leased objects are never evicted.",

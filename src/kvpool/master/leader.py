@@ -127,9 +127,22 @@ class LeaderElector:
         return self.state is ElectorState.LEADER
 
     @property
+    def is_warming_up(self) -> bool:
+        return self.state is ElectorState.WARMING_UP
+
+    @property
     def lease_id(self) -> int:
         keeper = self._keeper
         return keeper.lease_id if keeper is not None else 0
+
+    def lease_valid_for(self) -> float:
+        """Seconds this elector's lease surely stays valid (local, conservative estimate; 0 without one).
+
+        A master checks this on every request, so a leader frozen past its lease (SIGSTOP) refuses to
+        answer the moment it runs again, before its elector thread has even noticed the loss.
+        """
+        keeper = self._keeper
+        return max(0.0, keeper.expires_in) if keeper is not None and not keeper.lost else 0.0
 
     def start(self) -> None:
         """Start campaigning in a daemon thread."""

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,17 +37,60 @@ log = get_logger(__name__)
 
 # Methods any master answers even when it is not the leader (they describe the cluster).
 _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
+# Methods a newly elected leader accepts during its warm-up: stores re-mount and rebuild the index
+# before the first data call is served.
+_MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
+
+
+class LeadershipProbe(Protocol):
+    """What the role needs from a leader elector (kvpool.master.leader.LeaderElector)."""
+
+    @property
+    def view(self) -> int: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def is_warming_up(self) -> bool: ...
+
+    def lease_valid_for(self) -> float: ...
 
 
 @dataclass
 class Role:
-    """Whether this master may answer data calls, and which view its answers carry."""
+    """Whether this master may answer, and which view its answers carry.
 
-    serving: bool = True
-    view: int = 0
-    name: str = "standalone"  # standalone | leader | follower | candidate | warmup
+    Without an elector the master is standalone and always serves. With one it serves data calls only
+    while it leads *and* its lease is locally known to be valid, so a leader frozen past its lease
+    (SIGSTOP) refuses to answer the moment it runs again.
+    """
+
+    elector: LeadershipProbe | None = None
     leader: str = ""          # the leader's gRPC endpoint when this one is not it
     followers: list[str] = field(default_factory=list)
+
+    @property
+    def view(self) -> int:
+        return self.elector.view if self.elector is not None else 0
+
+    @property
+    def name(self) -> str:
+        if self.elector is None:
+            return "standalone"
+        if self.elector.is_leader:
+            return "leader"
+        return "warmup" if self.elector.is_warming_up else "follower"
+
+    @property
+    def serving(self) -> bool:
+        return self.elector is None or (self.elector.is_leader and self.elector.lease_valid_for() > 0)
+
+    def accepts(self, method: str) -> bool:
+        if method in _ALWAYS_SERVED or self.serving:
+            return True
+        return (method in _MEMBERSHIP and self.elector is not None and self.elector.is_warming_up
+                and self.elector.lease_valid_for() > 0)
 
 
 class MasterHandlers:
@@ -63,7 +106,8 @@ class MasterHandlers:
         self._latency = Histogram("kvpool_master_request_seconds", "Master request latency", ["op"],
                                   registry=self.registry,
                                   buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0))
-        self.registry.register(_StateCollector(state, role))
+        self.collector = _StateCollector(state, role)
+        self.registry.register(self.collector)
         self._methods: dict[str, Callable[[Any], Any]] = {
             name: getattr(self, name) for name, _req, _resp in frames.RPC_METHODS.values()
         }
@@ -71,15 +115,17 @@ class MasterHandlers:
             self._methods[name] = getattr(self, name)
 
     def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
-        return pb.Status(code=int(code), message=message, view=self.role.view, leader=self.role.leader)
+        leader = self.role.leader if self.role.name != "leader" else self.endpoints.get("grpc", "")
+        return pb.Status(code=int(code), message=message, view=self.role.view, leader=leader)
 
     def dispatch(self, method: str, request: Any, response_type: type) -> Any:
         """Run one call; a follower or a bad request gets an error status, never an exception."""
         started = time.perf_counter()
         try:
-            if not self.role.serving and method not in _ALWAYS_SERVED:
-                code = ErrorCode.NOT_LEADER if self.role.name == "follower" else ErrorCode.LEADER_WARMING_UP
-                return response_type(status=self.status(code, f"this master is {self.role.name}"))
+            if not self.role.accepts(method):
+                name = self.role.name
+                code = ErrorCode.LEADER_WARMING_UP if name == "warmup" else ErrorCode.NOT_LEADER
+                return response_type(status=self.status(code, f"this master is {name}"))
             return self._methods[method](request)
         except KvPoolError as exc:
             return response_type(status=self.status(exc.code, exc.message))
@@ -201,11 +247,11 @@ class _StateCollector(Collector):
     """Gauges read from MasterState.stats() at scrape time: no cost on the request path."""
 
     def __init__(self, state: MasterState, role: Role) -> None:
-        self._state = state
+        self.state = state
         self._role = role
 
     def collect(self) -> Any:
-        s = self._state.stats()
+        s = self.state.stats()
         simple = {
             "kvpool_master_objects": ("Objects in the index", s.objects),
             "kvpool_master_capacity_bytes": ("Bytes of all mounted segments", s.capacity),
@@ -310,7 +356,7 @@ class Maintenance(threading.Thread):
 
     def __init__(self, state: MasterState, config: MasterConfig, role: Role) -> None:
         super().__init__(name="master-maintenance", daemon=True)
-        self._state = state
+        self.state = state
         self._config = config
         self._role = role
         self._stop = threading.Event()
@@ -320,16 +366,17 @@ class Maintenance(threading.Thread):
         while not self._stop.wait(self._config.eviction_interval_s):
             if not self._role.serving:
                 continue
+            state = self.state
             try:
-                if self._state.needs_eviction():
-                    report = self._state.evict()
+                if state.needs_eviction():
+                    report = state.evict()
                     log.debug("evicted %d objects (%d bytes)", report.objects, report.bytes)
                 now = time.monotonic()
                 if now >= next_slow:
                     next_slow = now + 1.0
-                    for store in self._state.expire_stores():
+                    for store in state.expire_stores():
                         log.warning("store %s expired: no heartbeat for %.1f s", store, self._config.store_ttl_s)
-                    self._state.reclaim_abandoned_puts()
+                    state.reclaim_abandoned_puts()
             except Exception:
                 log.exception("maintenance pass failed")
 
@@ -372,6 +419,13 @@ class MasterServer:
         self._maintenance.start()
         log.info("master serving: grpc %s, rpc %s, metrics %s", self.endpoints["grpc"], self.endpoints["rpc"],
                  self.endpoints.get("metrics", "off"))
+
+    def reset_state(self) -> None:
+        """Forget the whole index (a deposed leader): a later leadership rebuilds it from the stores."""
+        self.state = MasterState(self.config)
+        self.handlers.state = self.state
+        self.handlers.collector.state = self.state
+        self._maintenance.state = self.state
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         s = self.state.stats()

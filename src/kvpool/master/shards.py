@@ -2,13 +2,16 @@
 
 Lock order of the master (outermost first; a thread never takes an earlier lock while holding a later one)::
 
-    membership lock (mount / unmount / expire / status; rare)   |  eviction lock (one eviction at a time)
+    membership lock (mount / unmount / expire / status; rare)  |  eviction lock (one eviction at a time;
+                                                                  the two are never nested)
       -> object stripe   (at most one stripe at a time)
         -> shard lock    (several only in ascending shard index, and only in validate())
-          -> segment allocator lock  |  store free-queue lock   (leaves: never held together)
+          -> segment allocator lock  |  store free-queue lock  |  stats counters lock   (leaves)
 
-* A **shard** owns a dict key -> ObjectMeta and the set of keys with a put in flight. Its lock guards the dict
-  and the fields of its objects, and is held only for O(1) work per key (or one shard's scan).
+Leaves are never held together, and nothing is acquired while holding one.
+
+* A **shard** owns a dict key -> ObjectMeta and a dict key -> writer of its unfinished puts. Its lock guards
+  both and the fields of its objects, and is held only for O(1) work per key (or one shard's scan).
 * An **object stripe** serialises the multi-step operations on one key that do work outside the shard lock
   (put_start: check -> place and allocate -> insert; eviction/reclaim/remove: re-validate -> drop -> free), so
   placement, allocation and grant signing never stall lookups of other keys in the same shard.

@@ -65,7 +65,24 @@ from kvpool.master.types import (
     SegmentSpec,
 )
 
-__all__ = ["HEARTBEAT_FREED_LIMIT", "RECLAIM_GRACE_S", "MasterState"]
+# The dataclasses live in types.py and are re-exported here: callers may import them from either module.
+__all__ = [
+    "HEARTBEAT_FREED_LIMIT",
+    "RECLAIM_GRACE_S",
+    "EvictionReport",
+    "GetResult",
+    "HeartbeatResult",
+    "InventoryItem",
+    "MasterState",
+    "MasterStats",
+    "MountResult",
+    "PutOptions",
+    "PutStartResult",
+    "ReplicaGrant",
+    "SegmentReport",
+    "SegmentSpec",
+    "SegmentStatus",
+]
 
 _log = get_logger(__name__)
 

@@ -47,10 +47,11 @@ class MasterLink:
         self._channel: grpc.Channel | None = None
         self._endpoint = ""
         self._resolve = _resolver(master, cluster)
+        self._max_view = 0
 
     def _stub(self) -> pb_grpc.MasterServiceStub:
         if self._channel is None:
-            self._endpoint = self._resolve()
+            self._endpoint = self._resolve(2.0)
             self._channel = grpc.insecure_channel(self._endpoint, options=[
                 ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         return pb_grpc.MasterServiceStub(self._channel)
@@ -70,6 +71,12 @@ class MasterLink:
             self.reset()
             raise
         code = as_code(response.status.code)
+        if response.status.view < self._max_view:
+            # A deposed leader answered (it was frozen past its lease): act on nothing it says.
+            self.reset()
+            raise KvPoolError(ErrorCode.STALE_VIEW, f"{self._endpoint} answered with view "
+                                                    f"{response.status.view} < {self._max_view}")
+        self._max_view = response.status.view
         if code in (ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP):
             self.reset()
         return response
@@ -77,10 +84,10 @@ class MasterLink:
 
 def _resolver(master: str, cluster: str) -> Any:
     if master.startswith("etcd://"):
-        from kvpool.client.leader import etcd_resolver
+        from kvpool.common.leader_watch import etcd_resolver
 
         return etcd_resolver(master, cluster)
-    return lambda: master
+    return lambda wait_s=0.0: master
 
 
 class StoreServer:

@@ -82,7 +82,8 @@ class LocalCluster:
         self.ha = ha
         self.num_masters = masters if ha else 1
         self.nodes = nodes
-        self.cluster = cluster or f"local{os.getpid()}x{int(time.time() * 1000) % 100000}"
+        # Each HA local cluster has its own etcd, so the default cluster name is safe to share.
+        self.cluster = cluster or "kvpool"
         self.env = {**os.environ, **(env or {})}
         self.processes: list[ProcInfo] = []
         self._popen: dict[int, subprocess.Popen[bytes]] = {}
@@ -121,10 +122,10 @@ class LocalCluster:
         return self
 
     def _start_etcd(self) -> None:
-        from kvpool.tools.etcd_process import EtcdProcess
+        from kvpool.tools.etcd_process import EtcdCluster
 
-        self.etcd = EtcdProcess.start(self.base_dir / "etcd")
-        self.processes.append(ProcInfo("etcd", "etcd-0", self.etcd.pid, self.etcd.endpoints[0]))
+        self.etcd = EtcdCluster(1, self.base_dir / "etcd")
+        self.processes.append(ProcInfo("etcd", "etcd-0", self.etcd.member_pid(0), self.etcd.endpoints[0]))
 
     def _spawn(self, role: str, args: list[str], timeout: float) -> ProcInfo:
         name = f"{role}-{self._counter}"
@@ -210,7 +211,8 @@ class LocalCluster:
             if info.role != "etcd":
                 self.terminate(info, timeout=5.0)
         if self.etcd is not None:
-            self.etcd.stop()
+            self.etcd.close()
+            self.etcd = None
         self.processes.clear()
 
     def __enter__(self) -> LocalCluster:

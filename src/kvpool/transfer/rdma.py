@@ -750,7 +750,9 @@ class RdmaTransport(Transport):
             for index, req, view in items:
                 chunks.extend(self._chunks(index, req, view, conn, batch))
             batch.add_chunks(chunks)
-            self.stats.work_requests += len(chunks)
+            with self._lock:
+                self.stats.work_requests += len(chunks)
+                self.stats.bytes_submitted += sum(c.piece.length for c in chunks)
             conn.enqueue(chunks)
 
     def _chunks(self, index: int, req: TransferRequest, view: memoryview, conn: _Connection,
@@ -767,7 +769,6 @@ class RdmaTransport(Transport):
             batch.fail(index, exc.code)
             return []
         opcode = Opcode.RDMA_READ if req.op == GrantOp.READ else Opcode.RDMA_WRITE
-        self.stats.bytes_submitted += len(view)
         return [_Chunk(batch, conn, index, opcode, piece) for piece in pieces]
 
     # ---- connections
@@ -779,6 +780,10 @@ class RdmaTransport(Transport):
             if peer is None:
                 peer = self._peers[endpoint] = _Peer(endpoint)
             return peer
+
+    def _count(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.stats, counter, getattr(self.stats, counter) + n)
 
     def _connection(self, peer: _Peer, grants: list[Grant], need_write: bool,
                     deadline: Deadline) -> _Connection:
@@ -794,7 +799,7 @@ class RdmaTransport(Transport):
             return conn
         if conn is not None:
             if conn.broken is not None:
-                self.stats.broken_connections += 1
+                self._count("broken_connections")
                 peer.failures = 0 if conn.successes else peer.failures + 1
                 if peer.failures >= _FAILURES_BEFORE_COOLDOWN:
                     peer.failures = 0
@@ -807,13 +812,13 @@ class RdmaTransport(Transport):
         try:
             peer.conn = self._connect(peer.endpoint, grants, need_write, deadline)
         except KvPoolError as exc:
-            self.stats.connect_failures += 1
+            self._count("connect_failures")
             peer.down_until = time.monotonic() + self.reconnect_cooldown_s
             if exc.code in (ErrorCode.NOT_SUPPORTED, ErrorCode.UNKNOWN_OP):
                 peer.rdma = False  # the store does not serve RDMA after all: TCP from now on
             logger.warning("rdma %s: connect failed: %s", peer.endpoint, exc)
             raise
-        self.stats.connects += 1
+        self._count("connects")
         return peer.conn
 
     def _connect(self, endpoint: str, grants: list[Grant], need_write: bool,

@@ -38,10 +38,10 @@ from typing import Any
 
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
-from kvpool.common.grants import Grant, GrantOp
+from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op
-from kvpool.transfer.base import TransferBatch, TransferRequest, Transport
+from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 
 logger = get_logger(__name__)
 
@@ -51,6 +51,8 @@ MAX_INFO_BYTES = 16 << 20
 # One struct for header + descriptor: a request frame is one pack() plus the key.
 _REQUEST = struct.Struct(HEADER.format + DESC.format.lstrip("<@=!>"))
 _TIMEVAL = struct.Struct("@ll")
+# Replies after which the store closes the connection.
+_CLOSING_CODES = frozenset((ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.BAD_FRAME, ErrorCode.UNKNOWN_OP))
 # Per-part cost in "bytes" when dealing parts to lanes: a request costs about as much as moving this much.
 _PART_OVERHEAD = 32 * 1024
 
@@ -189,28 +191,30 @@ class _Broken(Exception):
 
 
 class _Part:
-    """One request on the wire: a part of one object (or a control op)."""
+    """One request on the wire: a part of one object (or a control op, with no replica)."""
 
-    __slots__ = ("index", "op", "view", "grant", "checksum", "part_offset", "reply")
+    __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply")
 
-    def __init__(self, index: int, op: Op, view: memoryview, grant: Grant | None = None, checksum: int = 0,
-                 part_offset: int = 0) -> None:
+    def __init__(self, index: int, op: Op, view: memoryview, replica: Replica | None = None, key: bytes = b"",
+                 checksum: int = 0, part_offset: int = 0) -> None:
         self.index = index  # the request's position in its batch
         self.op = op
         self.view = view  # source (WRITE) / destination (READ) bytes of this part
-        self.grant = grant
+        self.replica = replica  # where, and the master's grant (mac, expiry) for the whole object
+        self.key = key
         self.checksum = checksum
         self.part_offset = part_offset
         self.reply = b""  # STORE_INFO's payload
 
     def frame(self, req_id: int) -> bytes:
-        g = self.grant
-        if g is None:  # control op: a bare header
+        r = self.replica
+        if r is None:  # control op: a bare header
             return HEADER.pack(MAGIC, self.op, 0, 0, req_id, 0)
+        key = self.key
         plen = len(self.view)
-        length = DESC.size + len(g.key) + (plen if self.op == Op.WRITE else 0)
-        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, g.segment_id, g.offset, g.length,
-                             g.expiry_ms, self.checksum, self.part_offset, plen, len(g.key), g.mac) + g.key
+        length = DESC.size + len(key) + (plen if self.op == Op.WRITE else 0)
+        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, r.segment_id, r.offset, r.length,
+                             r.expiry_ms, self.checksum, self.part_offset, plen, len(key), r.mac) + key
 
 
 class _Job:
@@ -477,18 +481,19 @@ class _Lane:
         if sock is not None:
             sock.close()
 
-    def _arm(self, deadline: Deadline) -> None:
-        """Keep the socket's kernel timeout within a little of the deadline's remaining time."""
-        remaining = deadline.remaining()
+    def _arm(self, at: float | None) -> None:
+        """Keep the socket's kernel timeout within a little of the time left until ``at`` (monotonic)."""
         armed = self._armed
-        if remaining is None:
+        if at is None:
             if armed is not None:
                 set_io_timeout(self._sock_or_raise(), None)
                 self._armed = None
             return
+        remaining = at - time.monotonic()
         if remaining <= 0:
             raise _Broken(ErrorCode.TIMEOUT, "deadline passed")
-        # Re-arm when the last timeout would overshoot the deadline by more than 10% (or 2 ms).
+        # Re-arm when the last timeout would overshoot the deadline by more than 10% (or 2 ms): a
+        # setsockopt per request would cost more than the check.
         if armed is None or armed - remaining > max(0.002, 0.1 * remaining):
             set_io_timeout(self._sock_or_raise(), remaining)
             self._armed = remaining
@@ -504,7 +509,7 @@ class _Lane:
         sock = self._sock_or_raise()
         reader = self._reader
         assert reader is not None
-        deadline = job.batch.deadline
+        at = job.batch.deadline.at
         parts = job.parts
         window = self._t.window
         max_bytes = self._t.inflight_bytes
@@ -521,14 +526,14 @@ class _Lane:
                                      or inflight_bytes + len(part.view) > max_bytes):
                         break
                     self._req_id += 1
-                    self._arm(deadline)
+                    self._arm(at)
                     send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None)
                     inflight.append((self._req_id, part))
                     inflight_bytes += len(part.view)
                     next_send += 1
                 req_id, part = inflight.popleft()
                 inflight_bytes -= len(part.view)
-                self._arm(deadline)
+                self._arm(at)
                 job.codes.append(self._receive(reader, req_id, part))
                 job.done += 1
         except BlockingIOError:
@@ -544,8 +549,8 @@ class _Lane:
         magic, _op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
         if magic != MAGIC:
             raise _Broken(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x} from {self._ep.name}")
-        code = as_code(status)
-        if code in (ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.BAD_FRAME, ErrorCode.UNKNOWN_OP):
+        code = ErrorCode.OK if status == 0 else as_code(status)
+        if code in _CLOSING_CODES:
             raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
         if rid != req_id:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
@@ -579,26 +584,31 @@ class _Endpoint:
         self._closed = False
 
     def lanes_for(self, n_parts: int) -> list[_Lane]:
-        """The lanes a batch may use: all of them for several parts; for fewer parts than lanes, the idle
-        ones first (a small request should not queue behind a large one), in turn. Lanes (threads and
-        connections) are created on first use only."""
+        """The lanes a batch may use: all of them for as many parts as lanes; for fewer parts, idle lanes
+        first, in turn (a small request should not queue behind a large one), then the least loaded.
+        Lanes (a thread and a connection each) are created on first use only."""
         count = self._t.connections_per_endpoint
+        lanes = self._lanes
         if n_parts >= count:
-            if len(self._lanes) < count:
+            if len(lanes) < count:
                 self._create(count)
             return self._lanes
-        lanes = self._lanes
         start = self._rr  # unlocked round robin: a race only changes which idle lane is picked
-        self._rr = start + n_parts
-        picked = [lanes[(start + i) % len(lanes)] for i in range(len(lanes))] if lanes else []
-        picked = [lane for lane in picked if lane.idle][:n_parts]
-        if len(picked) < n_parts and len(lanes) < count:
+        self._rr = start + 1
+        picked: list[_Lane] = []
+        for i in range(len(lanes)):
+            lane = lanes[(start + i) % len(lanes)]
+            if lane.idle:
+                picked.append(lane)
+                if len(picked) == n_parts:
+                    return picked
+        if len(lanes) < count:  # a new lane is idle too
             self._create(min(count, len(lanes) + n_parts - len(picked)))
-            picked += [lane for lane in self._lanes[len(lanes):]][:n_parts - len(picked)]
-        if len(picked) < n_parts:  # all busy: the least loaded
-            rest = sorted((lane for lane in self._lanes if lane not in picked), key=lambda lane: lane.load)
-            picked += rest[:n_parts - len(picked)]
-        return picked
+            picked += self._lanes[len(lanes):]
+        if len(picked) < n_parts:  # every lane is busy: the least loaded
+            picked += sorted((lane for lane in self._lanes if lane not in picked),
+                             key=lambda lane: lane.load)[:n_parts - len(picked)]
+        return picked[:n_parts]
 
     def _create(self, count: int) -> None:
         with self._lock:
@@ -775,11 +785,12 @@ class TcpTransport(Transport):
         if len(req.key) > MAX_KEY_BYTES:
             batch.codes[index] = ErrorCode.KEY_TOO_LONG
             return []
-        grant = replica.grant(req.op, req.key)
-        n_parts = max(1, -(-length // self.stripe_bytes))
-        size = -(-length // n_parts) if length else 0
-        return [_Part(index, op, view[off:min(off + size, length)], grant, req.checksum, off)
-                for off in (range(0, length, size) if length else (0,))]
+        if length <= self.stripe_bytes:
+            return [_Part(index, op, view[:length], replica, req.key, req.checksum)]
+        n_parts = -(-length // self.stripe_bytes)
+        size = -(-length // n_parts)  # near-equal parts, so every lane finishes at about the same time
+        return [_Part(index, op, view[off:min(off + size, length)], replica, req.key, req.checksum, off)
+                for off in range(0, length, size)]
 
     def _deal(self, batch: _Batch, endpoint: _Endpoint, parts: list[_Part]) -> list[tuple[_Lane, _Job]]:
         """Give each part to the least-loaded lane (bytes queued + a per-request cost), in order."""

@@ -431,12 +431,9 @@ class _PvContext(DeviceContext):
         if not isinstance(cq, _PvCQ):
             raise VerbsError("the CQ belongs to another verbs layer", errno.EINVAL)
         try:
-            import pyverbs.enums as e
-            from pyverbs.qp import QP, QPCap, QPInitAttr
+            from pyverbs.qp import QP
 
-            cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq.cq, rcq=cq.cq, cap=cap, sq_sig_all=1)
-            return _PvQP(QP(self._pd, init), self)
+            return _PvQP(QP(self._pd, pv_qp_init_attr(cq.cq, max_send_wr)), self)
         except Exception as exc:
             raise _wrap("create an RC QP", exc) from exc
 
@@ -497,52 +494,23 @@ class _PvQP(QueuePair):
     def state(self) -> QpState:
         return self._state
 
-    def _attr(self) -> Any:
-        from pyverbs.qp import QPAttr
-
-        return QPAttr(port_num=self._ctx.port)
-
     def to_init(self, access: Access) -> None:
         check_transition(self._state, QpState.INIT)
-        attr = self._attr()
-        attr.qp_access_flags = int(access)
-        attr.pkey_index = 0
-        self._modify("to_init", attr, QpState.INIT)
+        self._modify("to_init", pv_init_attr(self._ctx.port, access), QpState.INIT)
 
     def to_rtr(self, remote: QpInfo, mtu: Mtu) -> None:
         check_transition(self._state, QpState.RTR)
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-
-        attr = self._attr()
-        attr.path_mtu = int(mtu)
-        attr.dest_qp_num = remote.qp_num
-        attr.rq_psn = remote.psn  # the first PSN the peer will send us
-        attr.max_dest_rd_atomic = self._ctx.max_rd_atomic
-        attr.min_rnr_timer = _MIN_RNR_TIMER
-        if remote.gid and remote.gid != ZERO_GID:  # RoCE (and routed IB): address by GID, with a GRH
-            route = GlobalRoute(dgid=GID(remote.gid), sgid_index=self._ctx.gid_index)
-            attr.ah_attr = AHAttr(port_num=self._ctx.port, is_global=1, gr=route, dlid=remote.lid)
-        else:  # InfiniBand within one subnet: the LID is enough
-            attr.ah_attr = AHAttr(port_num=self._ctx.port, is_global=0, dlid=remote.lid)
+        attr = pv_rtr_attr(self._ctx.port, self._ctx.gid_index, self._ctx.max_rd_atomic, remote, mtu)
         self._modify("to_rtr", attr, QpState.RTR)
 
     def to_rts(self, psn: int) -> None:
         check_transition(self._state, QpState.RTS)
-        attr = self._attr()
-        attr.sq_psn = psn
-        attr.timeout = _ACK_TIMEOUT
-        attr.retry_cnt = _RETRY_CNT
-        attr.rnr_retry = _RNR_RETRY
-        attr.max_rd_atomic = self._ctx.max_rd_atomic
-        self._modify("to_rts", attr, QpState.RTS)
+        self._modify("to_rts", pv_rts_attr(self._ctx.port, psn, self._ctx.max_rd_atomic), QpState.RTS)
 
     def to_error(self) -> None:
-        import pyverbs.enums as e
-        from pyverbs.qp import QPAttr
-
-        attr = QPAttr(qp_state=e.IBV_QPS_ERR)
         try:
-            self._qp.modify(attr, e.IBV_QP_STATE)
+            attr, mask = pv_error_attr()
+            self._qp.modify(attr, mask)
         except Exception as exc:
             raise _wrap("QP -> ERR", exc) from exc
         self._state = QpState.ERR
@@ -556,14 +524,7 @@ class _PvQP(QueuePair):
 
     def post_send(self, wr: WorkRequest) -> None:
         try:
-            import pyverbs.enums as e
-            from pyverbs.wr import SGE, SendWR
-
-            sge = SGE(wr.local_addr, wr.length, wr.lkey)
-            send = SendWR(wr_id=wr.wr_id, opcode=int(wr.opcode), num_sge=1, sg=[sge],
-                          send_flags=e.IBV_SEND_SIGNALED)
-            send.set_wr_rdma(wr.rkey, wr.remote_addr)
-            self._qp.post_send(send)
+            self._qp.post_send(pv_send_wr(wr))
         except Exception as exc:
             raise _wrap(f"post_send on QP {self._num}", exc) from exc
 
@@ -572,3 +533,77 @@ class _PvQP(QueuePair):
             self._qp.close()
         except Exception as exc:
             logger.debug("closing QP %d: %s", self._num, exc)
+
+
+# ---------------------------------------------------------------------- pyverbs attribute builders
+# Module-level so that a test can build each of them with the real pyverbs on a host without a device
+# (tests/integration/test_rdma_fallback.py): the structs need no device, so a wrong keyword or attribute
+# name is caught on every run, not only on an RDMA cluster.
+def pv_qp_init_attr(cq: Any, max_send_wr: int) -> Any:
+    """An RC QP whose every send WR is signaled, with a minimal receive queue (one-sided ops only)."""
+    import pyverbs.enums as e
+    from pyverbs.qp import QPCap, QPInitAttr
+
+    cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    return QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=1)
+
+
+def pv_init_attr(port: int, access: Access) -> Any:
+    """RESET -> INIT: port, P_Key index 0, and what incoming requests may do."""
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr(port_num=port)
+    attr.qp_access_flags = int(access)
+    attr.pkey_index = 0
+    return attr
+
+
+def pv_rtr_attr(port: int, gid_index: int, rd_atomic: int, remote: QpInfo, mtu: Mtu) -> Any:
+    """INIT -> RTR: the peer's QP number, PSN and address (GID with a GRH for RoCE, else its LID)."""
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr(port_num=port)
+    attr.path_mtu = int(mtu)
+    attr.dest_qp_num = remote.qp_num
+    attr.rq_psn = remote.psn  # the first PSN the peer will send us
+    attr.max_dest_rd_atomic = rd_atomic
+    attr.min_rnr_timer = _MIN_RNR_TIMER
+    if remote.gid and remote.gid != ZERO_GID:  # RoCE (and routed IB): address by GID, with a GRH
+        route = GlobalRoute(dgid=GID(remote.gid), sgid_index=gid_index)
+        attr.ah_attr = AHAttr(port_num=port, is_global=1, gr=route, dlid=remote.lid)
+    else:  # InfiniBand within one subnet: the LID is enough
+        attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=remote.lid)
+    return attr
+
+
+def pv_rts_attr(port: int, psn: int, rd_atomic: int) -> Any:
+    """RTR -> RTS: our send PSN, the ack timeout and retry counts, outstanding RDMA READs."""
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr(port_num=port)
+    attr.sq_psn = psn
+    attr.timeout = _ACK_TIMEOUT
+    attr.retry_cnt = _RETRY_CNT
+    attr.rnr_retry = _RNR_RETRY
+    attr.max_rd_atomic = rd_atomic
+    return attr
+
+
+def pv_error_attr() -> tuple[Any, int]:
+    """Any -> ERR: the attribute and the mask for ``QP.modify``."""
+    import pyverbs.enums as e
+    from pyverbs.qp import QPAttr
+
+    return QPAttr(qp_state=e.IBV_QPS_ERR), int(e.IBV_QP_STATE)
+
+
+def pv_send_wr(wr: WorkRequest) -> Any:
+    """A signaled one-sided work request with one SGE."""
+    import pyverbs.enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    sge = SGE(wr.local_addr, wr.length, wr.lkey)
+    send = SendWR(wr_id=wr.wr_id, opcode=int(wr.opcode), num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
+    send.set_wr_rdma(wr.rkey, wr.remote_addr)
+    return send

@@ -142,8 +142,8 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.layout = str(getattr(mem_pool_host, "layout", _DEFAULT_LAYOUT))
         self.namespace = self._namespace(self.layout)
         if self.layout not in _V1_LAYOUTS:
-            log.warning("kvpool: host layout %s has no per-page zero-copy pointers; use "
-                        "--hicache-mem-layout page_first (the generic path still works)", self.layout)
+            log.warning("kvpool: host layout %s has no per-object pointers: pages go through flat copies "
+                        "(use --hicache-mem-layout page_first for zero-copy)", self.layout)
         buffer = getattr(mem_pool_host, "kv_buffer", None)
         if isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.numel():
             try:  # a no-op for TCP; an RDMA memory region where RDMA is used
@@ -194,6 +194,8 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return []
         if self._logical_anchor():
             return [True] * len(keys)
+        if self.layout not in _V1_LAYOUTS:
+            return self._get_via_flat_pages(keys, host_indices)
         meta = self._page_meta(keys, host_indices)
         if meta is None:
             return [False] * len(keys)
@@ -210,6 +212,8 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return []
         if not self.is_writer or self._logical_anchor():
             return [True] * len(keys)  # MLA: the writer rank stores the one shared copy
+        if self.layout not in _V1_LAYOUTS:
+            return self._set_via_flat_pages(keys, host_indices)
         meta = self._page_meta(keys, host_indices)
         if meta is None:
             return [False] * len(keys)
@@ -232,6 +236,24 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             for i, code in zip(missing, put, strict=True):
                 codes[i] = code
         return codes
+
+    def _slots(self, keys: list[str], host_indices: Any) -> list[int]:
+        page = int(self.mem_pool_host.page_size)
+        return [int(host_indices[i * page]) for i in range(len(keys))]
+
+    def _get_via_flat_pages(self, keys: list[str], host_indices: Any) -> list[bool]:
+        """v1 for layouts without per-object pointers (layer_first): a flat page per key, then copied
+        into the host pool by SGLang's own ``set_from_flat_data_page``."""
+        pages = self.batch_get(keys)
+        ok = [page is not None for page in pages]
+        for slot, page in zip(self._slots(keys, host_indices), pages, strict=True):
+            if page is not None:
+                self.mem_pool_host.set_from_flat_data_page(slot, page)
+        return ok
+
+    def _set_via_flat_pages(self, keys: list[str], host_indices: Any) -> list[bool]:
+        pages = [self.mem_pool_host.get_data_page(slot, flat=True) for slot in self._slots(keys, host_indices)]
+        return [self.batch_set(keys, pages)] * len(keys)
 
     # --- generic (legacy) path: flat page tensors ----------------------------------------------------
 
