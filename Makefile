@@ -24,6 +24,7 @@ test: test-deps       ## the whole suite (unit, integration with real processes 
 
 proto: venv           ## regenerate the protobuf/gRPC stubs from src/kvpool/proto/*.proto
 	$(PY) -m grpc_tools.protoc -Isrc --python_out=src --pyi_out=src --grpc_python_out=src src/kvpool/proto/master.proto
+	$(PY) -m grpc_tools.protoc -Isrc --python_out=src --pyi_out=src --grpc_python_out=src src/kvpool/proto/etcd/*.proto
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -108,8 +108,8 @@ def batched(store: Store, transport: TcpTransport, size: int, seconds: float) ->
     count = BATCH_BYTES // size
     src = np.random.default_rng(0).integers(0, 256, size * count, dtype=np.uint8)
     dst = np.zeros_like(src)
-    srcs = [memoryview(src[i * size:(i + 1) * size]) for i in range(count)]
-    dsts = [memoryview(dst[i * size:(i + 1) * size]) for i in range(count)]
+    srcs = [memoryview(src[i * size:(i + 1) * size].data) for i in range(count)]
+    dsts = [memoryview(dst[i * size:(i + 1) * size].data) for i in range(count)]
     put = _run_for(transport, _requests(store, GrantOp.WRITE, srcs, size), seconds)
     get = _run_for(transport, _requests(store, GrantOp.READ, dsts, size), seconds)
     assert np.array_equal(src, dst), "bytes differ"
@@ -175,7 +175,8 @@ def main() -> int:
     result = run(args.seconds, args.connections, args.stripe, args.window, args.sockbuf, args.inflight)
     if not args.no_ceiling:
         ceilings = {size: measure_tcp(size, args.seconds) for size in (64 << 10, 1 << 20, 4 << 20)}
-        result["ceiling"] = {f"{s >> 10}KiB": {"gbps": c.gbps, "p50_us": c.p50_us} for s, c in ceilings.items()}
+        result["ceiling"] = {f"{s >> 10}KiB": {"gbps": c.gbps, "p50_us": c.p50_us}
+                             for s, c in ceilings.items()}
         for size in (1 << 20, 4 << 20):
             b = result[f"batch_{size >> 20}MiB"]
             b["put_ratio"] = b["put_gbps"] / ceilings[size].gbps

@@ -38,7 +38,7 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def measure(master: str, args: argparse.Namespace) -> dict[str, Any]:
-    import tiny_llama as tl
+    import tiny_llama as tl  # type: ignore[import-not-found]
     import torch
 
     from kvpool.client.engine import EngineClient
@@ -60,7 +60,9 @@ def measure(master: str, args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("writing the prefix KV failed")
         write_s = time.perf_counter() - start
 
-        baseline, with_pool, parts = [], [], {"lookup": [], "fetch": [], "rebuild": [], "suffix": []}
+        baseline: list[float] = []
+        with_pool: list[float] = []
+        parts: dict[str, list[float]] = {"lookup": [], "fetch": [], "rebuild": [], "suffix": []}
         diff = 0.0
         for _ in range(args.runs):
             (full_logits, _), seconds = _timed(tl.forward, model, full)
@@ -95,13 +97,15 @@ def _prefill_with_pool(tl: Any, engine: Any, model: Any, full: list[int]) -> tup
     fetch_s = time.perf_counter() - start
     reused = min(fetched * PAGE, len(full) - 1)  # always compute at least the last token
     fetched = reused // PAGE
-    cache, rebuild_s = _timed(lambda: tl.cache_from_layers(tl.from_pages(host[:2 * fetched])) if fetched else None)
+    cache, rebuild_s = _timed(lambda: tl.cache_from_layers(tl.from_pages(host[:2 * fetched])) if fetched
+                              else None)
     (logits, _), suffix_s = _timed(tl.forward, model, full[fetched * PAGE:], cache)
     return logits, {"lookup": lookup_s, "fetch": fetch_s, "rebuild": rebuild_s, "suffix": suffix_s}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
     parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     parser.add_argument("--suffix", type=int, default=64, help="new tokens per request (default 64)")
@@ -120,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"prefix {result['prefix_tokens']} + suffix {result['suffix_tokens']} tokens, {result['layers']} "
-              f"layers, KV {result['kv_bytes'] / 2**20:.1f} MiB")
+        print(f"prefix {result['prefix_tokens']} + suffix {result['suffix_tokens']} tokens, "
+              f"{result['layers']} layers, KV {result['kv_bytes'] / 2**20:.1f} MiB")
         print(f"prefill without the pool {result['prefill_without_pool_ms']:.1f} ms, with it "
               f"{result['prefill_with_pool_ms']:.1f} ms (lookup {result['lookup_ms']:.2f} + fetch "
-              f"{result['fetch_ms']:.1f} + rebuild {result['rebuild_ms']:.1f} + suffix {result['suffix_ms']:.1f})"
-              f" -> {result['speedup']:.2f}x; max |logit diff| {result['max_abs_diff']:.2e}")
+              f"{result['fetch_ms']:.1f} + rebuild {result['rebuild_ms']:.1f} + suffix "
+              f"{result['suffix_ms']:.1f}) -> {result['speedup']:.2f}x; max |logit diff| "
+              f"{result['max_abs_diff']:.2e}")
     return 0
 
 

@@ -29,7 +29,16 @@ sys.exit(0 if ok else 1)
 PYEOF
 }
 
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+pip_install() {  # quiet; the resolver's complaints about sglang's ~70 unmet GPU pins are expected
+  local log
+  log=$(mktemp)
+  if ! "$PY" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
 
 # Fail early with a clear message when the CPU wheel is not where pip looks: a CUDA torch is GBs.
 have torch "$TORCH" || pip_install "torch==$TORCH" --only-binary=:all:

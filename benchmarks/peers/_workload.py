@@ -128,9 +128,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def summarise(op: str, size: int, batch: int, latencies: list[float], elapsed: float, keys: int,
-              errors: int, **extra: Any) -> dict[str, Any]:
+              errors: int, raw: bool = False, **extra: Any) -> dict[str, Any]:
+    """One workload's figures; ``raw`` adds every call's latency (us) so that slices can be merged."""
     latencies.sort()
     nbytes = keys * size
+    if raw:
+        extra["lat_us"] = [round(x * 1e6, 1) for x in latencies]
     return {"op": op, "size": size, "batch": batch, "calls": len(latencies), "keys": keys,
             "bytes": nbytes, "seconds": round(elapsed, 4),
             "gbps": round(nbytes / elapsed / 1e9, 4) if size and elapsed > 0 else None,
@@ -244,7 +247,8 @@ class Engine:
             now = after
             keys += len(part)
             errors += sum(1 for c in codes if c != size)
-        return summarise(op, size, batch, latencies, now - start, keys - errors, errors)
+        return summarise(op, size, batch, latencies, now - start, keys - errors, errors,
+                         bool(spec.get("raw")))
 
     def run_put(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Fresh keys every call (values are immutable: a second put of a key is a no-op in Mooncake and
@@ -275,7 +279,7 @@ class Engine:
                     break
             for start in range(0, len(written), 1000):   # off the clock
                 self.b.remove(written[start:start + 1000])
-        return summarise("put", size, batch, latencies, elapsed, keys - errors, errors)
+        return summarise("put", size, batch, latencies, elapsed, keys - errors, errors, bool(spec.get("raw")))
 
     def run_exists(self, spec: dict[str, Any]) -> dict[str, Any]:
         batch = int(spec["batch"])
@@ -299,7 +303,8 @@ class Engine:
             now = after
             keys += len(part)
             errors += sum(1 for c in codes if c != 1)
-        return summarise("exists", 0, len(calls[0]), latencies, now - start, keys - errors, errors)
+        return summarise("exists", 0, len(calls[0]), latencies, now - start, keys - errors, errors,
+                         bool(spec.get("raw")))
 
 
 def _protocol_stream() -> TextIO:

@@ -302,6 +302,25 @@ def _ceiling_funcs() -> tuple[Callable[[int, float], float | None], Callable[[in
 
 # --- statistics ------------------------------------------------------------------------------------------
 
+def merge_slices(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One workload's slices (each with its raw latencies) as one measurement."""
+    lat = sorted(x for p in parts for x in p.pop("lat_us"))
+    secs = sum(p["seconds"] for p in parts)
+    keys = sum(p["keys"] for p in parts)
+    nbytes = sum(p["bytes"] for p in parts)
+    first = parts[0]
+
+    def pct(q: float) -> float | None:
+        return lat[min(len(lat) - 1, max(0, round(q * (len(lat) - 1))))] if lat else None
+
+    return {"op": first["op"], "size": first["size"], "batch": first["batch"], "calls": len(lat),
+            "keys": keys, "bytes": nbytes, "seconds": round(secs, 4), "slices": len(parts),
+            "gbps": round(nbytes / secs / 1e9, 4) if first["size"] and secs > 0 else None,
+            "ops_per_s": round(keys / secs, 1) if secs > 0 else None,
+            "calls_per_s": round(len(lat) / secs, 1) if secs > 0 else None,
+            "p50_us": pct(0.50), "p99_us": pct(0.99), "errors": sum(p.get("errors", 0) for p in parts)}
+
+
 def _median(values: list[float | None]) -> float | None:
     clean = [v for v in values if v is not None]
     return round(statistics.median(clean), 4) if clean else None
@@ -505,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run (small data, short timings, 1 run)")
     parser.add_argument("--runs", type=int, help="rounds; the medians are over them (default 3, --quick 1)")
     parser.add_argument("--seconds", type=float, help="timed seconds per workload per run (default 1.0)")
+    parser.add_argument("--slices", type=int, help="a workload's seconds are split into this many turns per "
+                                                    "system, alternating (default 4, --quick 2)")
     parser.add_argument("--dataset-mib", type=int, help="get dataset per value size, MiB (default 256)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     parser.add_argument("--redis-pipeline-bytes", type=int, default=Redis.pipeline_bytes,
@@ -523,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = args.runs or (1 if args.quick else 3)
     seconds = args.seconds or (0.3 if args.quick else 1.0)
+    slices = max(1, args.slices or (2 if args.quick else 4))
     dataset = (args.dataset_mib or (64 if args.quick else 256)) * MiB
     segment = 6 * dataset
     Redis.pipeline_bytes = args.redis_pipeline_bytes
@@ -582,23 +604,33 @@ def main(argv: list[str] | None = None) -> int:
             for w, (op, size, batch) in enumerate(workloads):
                 # alternate: every workload starts with the next system, every round shifts again
                 order = [systems[(run + w + i) % len(systems)] for i in range(len(systems))]
+                order = [s for s in order if op != "get_same_node" or s.name == "kvpool"]
+                # ... and within the workload the systems take turns in `slices` slices, so that a change
+                # of background load hits them alike
+                parts: dict[str, list[dict[str, Any]]] = {s.name: [] for s in order}
+                for _ in range(slices):
+                    for system in order:
+                        key = (system.name, op, size, batch)
+                        if key in missing:
+                            continue
+                        assert system.client is not None
+                        spec = {"cmd": "run", "op": op, "size": size, "batch": batch,
+                                "seconds": seconds / slices, "min_calls": 1, "window_bytes": dataset,
+                                "raw": True}
+                        try:
+                            parts[system.name].append(system.client.request(spec, 120 + 20 * seconds))
+                        except Exception as exc:
+                            missing[key] = f"{type(exc).__name__}: {exc}"
+                            errors[f"{system.name} {_label(op, size, batch)}"] = missing[key]
+                            failed = True
+                            continue
+                        if parts[system.name][-1].get("missing"):
+                            missing[key] = parts[system.name][-1]["missing"]
                 for system in order:
-                    if op == "get_same_node" and system.name != "kvpool":
-                        continue
                     key = (system.name, op, size, batch)
-                    assert system.client is not None
-                    spec = {"cmd": "run", "op": op, "size": size, "batch": batch, "seconds": seconds,
-                            "window_bytes": dataset}
-                    try:
-                        res = system.client.request(spec, 120 + 20 * seconds)
-                    except Exception as exc:
-                        missing[key] = f"{type(exc).__name__}: {exc}"
-                        errors[f"{system.name} {_label(op, size, batch)}"] = missing[key]
-                        failed = True
+                    if key in missing or not parts[system.name]:
                         continue
-                    if res.get("missing"):
-                        missing[key] = res["missing"]
-                        continue
+                    res = merge_slices(parts[system.name])
                     samples.setdefault(key, []).append(res)
                     log(f"  {system.name:<8} {_label(op, size, batch):<24} "
                         f"{_fmt(_metric({'op': op, **res}), op):>10}  p50 {res['p50_us']:.0f} us"
@@ -634,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [round(x, 2) for x in loads + [os.getloadavg()[0]]],
         "config": {"seconds_per_workload": seconds, "dataset_bytes_per_size": dataset,
                    "segment_bytes": segment, "call_bytes": CALL_BYTES, "exists_keys": EXISTS_KEYS,
-                   "quick": args.quick, "redis_pipeline_bytes": args.redis_pipeline_bytes,
+                   "slices": slices, "quick": args.quick, "redis_pipeline_bytes": args.redis_pipeline_bytes,
                    "ceiling_source": ceiling_source, "memcpy_bytes": 64 * MiB},
         "systems": {s.name: s.info for s in systems},
         "errors": errors,

@@ -86,7 +86,8 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("write", "read"))
     parser.add_argument("--master", required=True)
     parser.add_argument("--seed", type=int, default=0)

@@ -27,6 +27,7 @@ from tests.support.cluster import client
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
 PAGE = 64      # --page-size 64
+Backends = Callable[..., Any]
 LAYERS, HEADS, DIM = 4, 2, 32
 MODULE = "kvpool.client.connectors.sglang"
 
@@ -36,8 +37,13 @@ def sgl() -> SimpleNamespace:
     require("torch", "sglang")
     install_light_sglang()
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
+        HiCacheStorage,
+        HiCacheStorageConfig,
+    )
+    from sglang.srt.mem_cache.storage.backend_factory import (  # type: ignore[import-untyped]
+        StorageBackendFactory,
+    )
 
     return SimpleNamespace(torch=torch, HiCacheStorage=HiCacheStorage, Config=HiCacheStorageConfig,
                            Factory=StorageBackendFactory)
@@ -55,19 +61,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 class FakeHostPool:
     """SGLang's host KV pool, page_first layout, as the backend sees it (pool_host/mha.py, mla.py)."""
 
-    def __init__(self, torch: Any, pages: int, mla: bool = False, seed: int | None = None) -> None:
+    def __init__(self, torch: Any, pages: int, mla: bool = False, seed: int | None = None,
+                 layout: str = "page_first") -> None:
         self.torch = torch
         self.page_size, self.layer_num, self.head_num, self.head_dim = PAGE, LAYERS, HEADS, DIM
-        self.layout = "page_first"
+        self.layout = layout
         self.dtype = torch.bfloat16
         self.size = pages * PAGE
         self.mla = mla
-        dims = (self.size, LAYERS, 1, DIM) if mla else (2, self.size, LAYERS, HEADS, DIM)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.kv_buffer = (torch.randn(dims, generator=gen) if seed is not None else torch.zeros(dims)).to(self.dtype)
+        if layout == "layer_first":  # MHA only here
+            dims: tuple[int, ...] = (2, LAYERS, self.size, HEADS, DIM)
+        else:
+            dims = (self.size, LAYERS, 1, DIM) if mla else (2, self.size, LAYERS, HEADS, DIM)
+        if seed is None:
+            self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
+        else:
+            self.kv_buffer = torch.randn(dims, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
 
     def _token_bytes(self) -> int:
-        return self.layer_num * (1 if self.mla else self.head_num) * self.head_dim * self.dtype.itemsize
+        return int(self.layer_num * (1 if self.mla else self.head_num) * self.head_dim * self.dtype.itemsize)
 
     def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
         assert len(indices) % self.page_size == 0
@@ -79,6 +91,8 @@ class FakeHostPool:
         return ptrs, [self.page_size * self._token_bytes()] * len(ptrs)
 
     def _page(self, index: int) -> Any:
+        if self.layout == "layer_first":
+            return self.kv_buffer[:, :, index:index + PAGE]
         return self.kv_buffer[index:index + PAGE] if self.mla else self.kv_buffer[:, index:index + PAGE]
 
     def get_data_page(self, index: int, flat: bool = True) -> Any:
@@ -103,9 +117,9 @@ class FakeHostPool:
 
 def make_backend(sgl: SimpleNamespace, master: str, model: str = "org/model-a", *, tp_rank: int = 0,
                  tp_size: int = 1, mla: bool = False, **extra: Any) -> Any:
-    config = sgl.Config(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                        is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=True,
-                        model_name=model,
+    config = sgl.Config(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+                        is_page_first_layout=True, model_name=model,
                         extra_config={"backend_name": "kvpool", "module_path": MODULE,
                                       "class_name": "KvPoolHiCacheStorage", "interface_v1": 1,
                                       "master": master, "timeout_s": 5, **extra})
@@ -133,7 +147,7 @@ def hashes(n: int, seed: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- factory
-def test_the_factory_builds_a_real_hicache_storage(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_the_factory_builds_a_real_hicache_storage(sgl: SimpleNamespace, backends: Backends) -> None:
     backend = backends()
     assert isinstance(backend, sgl.HiCacheStorage)
     assert type(backend).__module__ == MODULE
@@ -143,7 +157,7 @@ def test_the_factory_builds_a_real_hicache_storage(sgl: SimpleNamespace, backend
 
 
 # ----------------------------------------------------------------------------------------- zero copy
-def test_zero_copy_round_trip_through_set_exists_get_v1(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_zero_copy_round_trip_through_set_exists_get_v1(sgl: SimpleNamespace, backends: Backends) -> None:
     writer, reader = backends(), backends()
     src, dst = FakeHostPool(sgl.torch, 8, seed=1), FakeHostPool(sgl.torch, 8)
     writer.register_mem_pool_host(src)
@@ -166,7 +180,7 @@ def test_zero_copy_round_trip_through_set_exists_get_v1(sgl: SimpleNamespace, ba
     assert reader.get_stats().prefetch_pgs == [6]
 
 
-def test_a_missing_page_fails_only_from_there(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_a_missing_page_fails_only_from_there(sgl: SimpleNamespace, backends: Backends) -> None:
     backend = backends()
     src, dst = FakeHostPool(sgl.torch, 4, seed=2), FakeHostPool(sgl.torch, 4)
     backend.register_mem_pool_host(src)
@@ -178,7 +192,7 @@ def test_a_missing_page_fails_only_from_there(sgl: SimpleNamespace, backends: Ca
 
 
 def test_mla_pages_are_written_once_by_the_writer_rank_and_shared(sgl: SimpleNamespace,
-                                                                 backends: Callable[..., Any],
+                                                                 backends: Backends,
                                                                  cluster: LocalCluster) -> None:
     rank0, rank1 = backends("org/mla", tp_rank=0, tp_size=2, mla=True), backends("org/mla", tp_rank=1,
                                                                                     tp_size=2, mla=True)
@@ -200,7 +214,7 @@ def test_mla_pages_are_written_once_by_the_writer_rank_and_shared(sgl: SimpleNam
         assert pool.batch_exists([f"org-mla_{k}_1_k" for k in keys]) == [0] * 4
 
 
-def test_clear_removes_this_models_pages_only(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_clear_removes_this_models_pages_only(sgl: SimpleNamespace, backends: Backends) -> None:
     a, b, a_large = backends("org/model_a"), backends("org/model_b"), backends("org/model_a_large")
     keys = hashes(3, seed=5)
     for backend, seed in ((a, 5), (b, 6), (a_large, 7)):
@@ -214,7 +228,7 @@ def test_clear_removes_this_models_pages_only(sgl: SimpleNamespace, backends: Ca
 
 
 # ----------------------------------------------------------------------------------------- legacy path
-def test_legacy_get_set_batch_get_batch_set_exists(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_legacy_get_set_batch_get_batch_set_exists(sgl: SimpleNamespace, backends: Backends) -> None:
     backend = backends("org/legacy")
     src, dst = FakeHostPool(sgl.torch, 4, seed=8), FakeHostPool(sgl.torch, 4)
     backend.register_mem_pool_host(src)
@@ -243,8 +257,24 @@ def test_legacy_get_set_batch_get_batch_set_exists(sgl: SimpleNamespace, backend
     assert v1.same_pages(src, 0, 0, 3)
 
 
+def test_layer_first_layout_goes_through_flat_pages_under_its_own_keys(sgl: SimpleNamespace,
+                                                                        backends: Backends) -> None:
+    lf, pf = backends("org/layouts"), backends("org/layouts")
+    src, dst = (FakeHostPool(sgl.torch, 3, seed=13, layout="layer_first"),
+                FakeHostPool(sgl.torch, 3, layout="layer_first"))
+    lf.register_mem_pool_host(src)
+    pf.register_mem_pool_host(FakeHostPool(sgl.torch, 3))
+    assert "layer-first" in lf.namespace.prefix
+    keys = hashes(3, seed=13)
+    assert lf.batch_set_v1(keys, src.pages(0, 3)) == [True] * 3
+    assert pf.batch_exists(keys) == 0  # other byte order: never mixed with page_first pages
+    lf.register_mem_pool_host(dst)
+    assert lf.batch_get_v1(keys, dst.pages(0, 3)) == [True] * 3
+    assert dst.same_pages(src, 0, 0, 3)
+
+
 # ----------------------------------------------------------------------------------------- threads
-def test_concurrent_calls_from_sglangs_threads(sgl: SimpleNamespace, backends: Callable[..., Any]) -> None:
+def test_concurrent_calls_from_sglangs_threads(sgl: SimpleNamespace, backends: Backends) -> None:
     backend = backends("org/threads")
     src = FakeHostPool(sgl.torch, 32, seed=9)
     backend.register_mem_pool_host(src)

@@ -23,7 +23,8 @@ def load_model(seed: int = 0, layers: int = 4) -> Any:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    model: Any = LlamaForCausalLM(config)
+    return model.eval()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -31,7 +32,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return [int(t) for t in torch.randint(0, VOCAB, (n,), generator=gen)]
 
 
-_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+# 5.x: forward(cache=...) -> out["cache"]; 4.x: forward(past_key_values=...) -> out["past_key_values"].
+_FORWARD_PARAMS = inspect.signature(LlamaForCausalLM.forward).parameters
+_CACHE_ARG = "cache" if "cache" in _FORWARD_PARAMS else "past_key_values"
 
 
 @torch.no_grad()
@@ -93,4 +96,4 @@ def object_bytes(model: Any, page_size: int) -> int:
 
 def byte_views(objects: torch.Tensor | list[torch.Tensor]) -> list[memoryview]:
     """Writable byte views of each object (CPU, contiguous), for the pool's buffer APIs."""
-    return [memoryview(o.numpy()).cast("B") for o in objects]
+    return [o.numpy().data.cast("B") for o in objects]

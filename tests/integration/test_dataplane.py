@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.common.errors import ErrorCode
+from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, Op, TransferDesc
 from kvpool.store.dataplane import DataPlaneServer
@@ -69,8 +69,8 @@ class Store:
         if op == GrantOp.WRITE:
             self.granted.append((offset, length))
         expiry = now_ms() + 60_000 if expiry_ms is None else expiry_ms
-        return make_grant(self.secret, op, self.segment.id if segment_id is None else segment_id, offset, length,
-                          expiry, key)
+        seg = self.segment.id if segment_id is None else segment_id
+        return make_grant(self.secret, op, seg, offset, length, expiry, key)
 
     def seg_bytes(self) -> np.ndarray:
         return np.frombuffer(self.segment.view, dtype=np.uint8)
@@ -147,7 +147,8 @@ class Raw:
         desc = TransferDesc(grant, checksum, part_offset, len(data)).pack()
         self.send(self.header(Op.WRITE, len(desc) + len(data)) + desc + data)
         _op, status, req_id, payload = self.response()
-        assert req_id == self.req_id and payload == b""
+        assert req_id == self.req_id
+        assert payload == b""
         return status
 
     def read(self, grant: Grant, part_offset: int = 0, part_length: int | None = None) -> tuple[int, bytes]:
@@ -190,7 +191,8 @@ def fresh_round_trip(store: Store, offset: int = SEG_SIZE - 4096, n: int = 4096)
     with Raw(store.port) as c:
         assert c.write(store.grant(GrantOp.WRITE, offset, n, b"fresh"), data) == ErrorCode.OK
         status, got = c.read(store.grant(GrantOp.READ, offset, n, b"fresh"))
-    assert status == ErrorCode.OK and got == data
+    assert status == ErrorCode.OK
+    assert got == data
     store.expected[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
 
 
@@ -200,8 +202,10 @@ def test_ping_and_store_info(store: Store) -> None:
         assert c.ping() == ErrorCode.OK
         c.send(c.header(Op.STORE_INFO, 0))
         op, status, _, payload = c.response()
-    assert op == Op.STORE_INFO and status == ErrorCode.OK
-    assert b'"segments"' in payload and str(store.segment.id).encode() in payload
+    assert op == Op.STORE_INFO
+    assert status == ErrorCode.OK
+    assert b'"segments"' in payload
+    assert str(store.segment.id).encode() in payload
 
 
 def test_store_info_comes_from_the_callback(tmp_path: Path) -> None:
@@ -222,10 +226,12 @@ def test_write_then_read_round_trips_exactly(store: Store, size: int) -> None:
     with Raw(store.port) as c:
         assert c.write(store.grant(GrantOp.WRITE, offset, size, b"obj"), data, checksum=77) == ErrorCode.OK
         status, got = c.read(store.grant(GrantOp.READ, offset, size, b"obj"))
-    assert status == ErrorCode.OK and got == data
+    assert status == ErrorCode.OK
+    assert got == data
     assert bytes(store.segment.view[offset:offset + size]) == data
     store.expected[offset:offset + size] = np.frombuffer(data, dtype=np.uint8)
-    assert store.inventory.entries(store.segment.id) == [InventoryEntry(store.segment.id, b"obj", offset, size, 77)]
+    seg = store.segment.id
+    assert store.inventory.entries(seg) == [InventoryEntry(seg, b"obj", offset, size, 77)]
 
 
 def test_parts_of_a_striped_object_on_several_connections(store: Store) -> None:
@@ -241,7 +247,8 @@ def test_parts_of_a_striped_object_on_several_connections(store: Store) -> None:
         assert [e.key for e in store.inventory.entries(store.segment.id)] == [b"striped"]
         status, got = conns[0].read(store.grant(GrantOp.READ, 0, size, b"striped"), part_offset=part,
                                     part_length=2 * part)
-        assert status == ErrorCode.OK and got == data[part:3 * part]
+        assert status == ErrorCode.OK
+        assert got == data[part:3 * part]
     finally:
         for c in conns:
             c.close()
@@ -253,7 +260,8 @@ def test_overwriting_drops_overlapped_inventory_entries(store: Store) -> None:
         for i in range(3):
             assert c.write(store.grant(GrantOp.WRITE, i * 100, 100, b"k%d" % i), bytes(100)) == ErrorCode.OK
         assert c.write(store.grant(GrantOp.WRITE, 150, 100, b"new"), b"\x01" * 100) == ErrorCode.OK
-    assert [(e.key, e.offset) for e in store.inventory.entries(store.segment.id)] == [(b"k0", 0), (b"new", 150)]
+    entries = store.inventory.entries(store.segment.id)
+    assert [(e.key, e.offset) for e in entries] == [(b"k0", 0), (b"new", 150)]
     store.expected[:300] = 0
     store.expected[150:250] = 1
 
@@ -278,7 +286,7 @@ def test_pipelined_requests_are_answered_in_order(store: Store) -> None:
             store.expected[i * 4096:i * 4096 + len(d)] = np.frombuffer(d, dtype=np.uint8)
 
 
-# ---------------------------------------------------------------------- rejected requests (connection stays usable)
+# -------------------------------------------------------------- rejected requests (connection stays usable)
 def test_bad_mac_is_auth_failed_and_the_payload_is_drained(store: Store) -> None:
     good = store.grant(GrantOp.WRITE, 0, 4096)
     forged = Grant(good.op, good.segment_id, good.offset, good.length, good.expiry_ms, good.key, bytes(16))
@@ -312,7 +320,8 @@ def test_expired_grant(store: Store) -> None:
         assert c.write(store.grant(GrantOp.WRITE, 0, 100, expiry_ms=now_ms() - 1), b"x" * 100) == \
             ErrorCode.GRANT_EXPIRED
         store.granted.clear()
-        assert c.read(store.grant(GrantOp.READ, 0, 100, expiry_ms=now_ms() - 1000))[0] == ErrorCode.GRANT_EXPIRED
+        old = store.grant(GrantOp.READ, 0, 100, expiry_ms=now_ms() - 1000)
+        assert c.read(old)[0] == ErrorCode.GRANT_EXPIRED
         assert c.ping() == ErrorCode.OK
 
 
@@ -360,8 +369,10 @@ def expect_closed_with(c: Raw, code: ErrorCode | None) -> None:
 
 
 def write_desc(grant: Grant, part_length: int, key_len: int | None = None, part_offset: int = 0) -> bytes:
-    return DESC.pack(grant.segment_id, grant.offset, grant.length, grant.expiry_ms, 0, part_offset, part_length,
-                     len(grant.key) if key_len is None else key_len, grant.mac) + grant.key
+    key_len = len(grant.key) if key_len is None else key_len
+    g = grant
+    return DESC.pack(g.segment_id, g.offset, g.length, g.expiry_ms, 0, part_offset, part_length, key_len,
+                     g.mac) + g.key
 
 
 def test_bad_magic_closes_the_connection(store: Store) -> None:
@@ -430,7 +441,8 @@ def test_unknown_op_gets_unknown_op_then_close(store: Store, op: int) -> None:
     with Raw(store.port) as c:
         c.send(c.header(op, 10) + b"0123456789")
         _op, status, req_id, _ = c.response()
-        assert status == ErrorCode.UNKNOWN_OP and req_id == c.req_id
+        assert status == ErrorCode.UNKNOWN_OP
+        assert req_id == c.req_id
         assert c.is_closed_by_peer()
     fresh_round_trip(store)
 
@@ -491,7 +503,8 @@ def test_too_many_connections(tmp_path: Path) -> None:
     s = make_store(tmp_path, max_connections=2)
     try:
         with Raw(s.port) as a, Raw(s.port) as b:
-            assert a.ping() == ErrorCode.OK and b.ping() == ErrorCode.OK
+            assert a.ping() == ErrorCode.OK
+            assert b.ping() == ErrorCode.OK
             with Raw(s.port) as c:
                 _op, status, _rid, _ = c.response()
                 assert status == ErrorCode.TOO_MANY_CONNECTIONS
@@ -554,7 +567,8 @@ def _frame_like(data: bytes, op: int, length: int) -> bytes:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.one_of(
     st.binary(min_size=1, max_size=600),
-    st.builds(_frame_like, st.binary(max_size=400), st.sampled_from([Op.READ, Op.WRITE, Op.PING, Op.STORE_INFO]),
+    st.builds(_frame_like, st.binary(max_size=400),
+              st.sampled_from([Op.READ, Op.WRITE, Op.PING, Op.STORE_INFO]),
               st.one_of(st.integers(0, 700), st.integers(0, (1 << 64) - 1))),
 ))
 def test_random_bytes_on_the_data_port(fuzz_store: Store, data: bytes) -> None:
@@ -575,3 +589,100 @@ def test_struct_sizes_match_the_documented_frame_layout() -> None:
     assert HEADER_SIZE == 28
     assert DESC.size == 7 * 8 + 2 + 16
     assert struct.calcsize("<IHHiQQ") == HEADER_SIZE
+
+
+# ---------------------------------------------------------------------- the segment itself
+def test_segment_file_is_private_sized_and_shared(tmp_path: Path) -> None:
+    seg = ShmSegment.create(str(tmp_path), "s1", 1 << 20)
+    try:
+        st_ = os.stat(seg.path)
+        assert st_.st_mode & 0o777 == 0o600
+        assert st_.st_size == seg.size == len(seg.view) == 1 << 20
+        assert 0 < seg.id < 1 << 63
+        seg.prefault()
+        seg.view[100:105] = b"hello"
+        other = ShmSegment.attach(seg.path, 1 << 20, segment_id=seg.id)
+        try:
+            assert bytes(other.view[100:105]) == b"hello"  # one memory, two mappings
+            other.view[0:2] = b"hi"
+            assert bytes(seg.view[0:2]) == b"hi"
+        finally:
+            other.close()
+        assert os.path.exists(seg.path)  # an attached mapping never removes the file
+    finally:
+        seg.close()
+    assert not os.path.exists(seg.path)
+    seg.close()  # twice is fine
+
+
+def test_segment_name_clashes_and_replace(tmp_path: Path) -> None:
+    seg = ShmSegment.create(str(tmp_path), "dup", 1 << 20, segment_id=42)
+    try:
+        assert seg.id == 42
+        with pytest.raises(KvPoolError) as exc:
+            ShmSegment.create(str(tmp_path), "dup", 1 << 20)
+        assert exc.value.code == ErrorCode.SEGMENT_ALREADY_EXISTS
+        seg.close(unlink=False)
+        assert os.path.exists(seg.path)
+        seg = ShmSegment.create(str(tmp_path), "dup", 2 << 20, replace=True)
+        assert os.stat(seg.path).st_size == 2 << 20
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize(("name", "size"), [("", 4096), ("a/b", 4096), ("..", 4096), ("ok", 0), ("ok", -5)])
+def test_segment_bad_arguments(tmp_path: Path, name: str, size: int) -> None:
+    with pytest.raises(KvPoolError) as exc:
+        ShmSegment.create(str(tmp_path), name, size)
+    assert exc.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("hugepages", ["2M", "1G"])
+def test_hugepages_never_fall_back_silently(tmp_path: Path, hugepages: str) -> None:
+    """No hugetlbfs mount here (tmp_path is tmpfs or disk): a clear INVALID_ARGUMENT, and no file left."""
+    with pytest.raises(KvPoolError) as exc:
+        ShmSegment.create(str(tmp_path), "huge", 1 << 30, hugepages=hugepages)
+    assert exc.value.code == ErrorCode.INVALID_ARGUMENT
+    assert "hugetlbfs" in exc.value.message
+    assert not os.path.exists(tmp_path / "huge")
+    with pytest.raises(KvPoolError) as exc:
+        ShmSegment.create(str(tmp_path), "huge", 1 << 30, hugepages="3M")
+    assert exc.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_attach_errors(tmp_path: Path) -> None:
+    with pytest.raises(KvPoolError) as exc:
+        ShmSegment.attach(str(tmp_path / "missing"), 4096)
+    assert exc.value.code == ErrorCode.SEGMENT_NOT_FOUND
+    seg = ShmSegment.create(str(tmp_path), "small", 4096)
+    try:
+        with pytest.raises(KvPoolError) as exc:
+            ShmSegment.attach(seg.path, 8192)
+        assert exc.value.code == ErrorCode.INVALID_ARGUMENT
+    finally:
+        seg.close()
+
+
+def test_closing_with_a_live_view_does_not_raise(tmp_path: Path) -> None:
+    seg = ShmSegment.create(str(tmp_path), "live", 4096)
+    alive = seg.view[10:20]
+    seg.close()  # the mapping stays until ``alive`` goes; the file is gone now
+    assert not os.path.exists(seg.path)
+    alive[0] = 1  # still valid memory
+    alive.release()
+
+
+def test_a_failing_store_info_callback_is_internal_and_keeps_the_connection(tmp_path: Path) -> None:
+    before = threading.active_count()
+
+    def broken() -> dict[str, object]:
+        raise RuntimeError("boom")
+
+    s = make_store(tmp_path, store_info=broken)
+    try:
+        with Raw(s.port) as c:
+            c.send(c.header(Op.STORE_INFO, 0))
+            assert c.response()[1] == ErrorCode.INTERNAL
+            assert c.ping() == ErrorCode.OK
+    finally:
+        close_store(s, before)

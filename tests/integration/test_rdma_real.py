@@ -100,6 +100,7 @@ def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
         yield transport, segment, secret, endpoint
     finally:
         transport.close()
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept()
         listener.close()
         responder.close()
 

@@ -1,4 +1,4 @@
-"""TcpTransport against real data-plane servers: exact bytes, striping, batches, failures, deadlines, no leaks."""
+"""TcpTransport against real data-plane servers: exact bytes, striping, batches, failures, deadlines."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def store(tmp_path: Path, threads_settle: None) -> Iterator[Store]:
         yield s
     finally:
         s.stop()
-        assert s.server is not None and s.server.statistics().connections == 0
+        assert s.server is not None
+        assert s.server.statistics().connections == 0
 
 
 @pytest.fixture
@@ -133,7 +134,8 @@ def put_then_get(t: TcpTransport, s: Store, sizes: list[int], deadline_s: float 
             for i, (k, off, v) in enumerate(zip(keys, offsets, values, strict=True))]
     assert t.transfer(puts, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
     outs = [bytearray(n) for n in sizes]
-    gets = [s.request(GrantOp.READ, k, off, memoryview(o)) for k, off, o in zip(keys, offsets, outs, strict=True)]
+    gets = [s.request(GrantOp.READ, k, off, memoryview(o))
+            for k, off, o in zip(keys, offsets, outs, strict=True)]
     assert t.transfer(gets, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
     for i, (v, o) in enumerate(zip(values, outs, strict=True)):
         assert v == o, f"object {i} ({len(v)} bytes) differs"
@@ -149,7 +151,8 @@ def test_round_trip_of_each_size(transport: TcpTransport, store: Store, size: in
 
 def test_round_trip_of_all_sizes_in_one_batch(transport: TcpTransport, store: Store) -> None:
     put_then_get(transport, store, SIZES * 2)
-    assert store.inventory is not None and len(store.inventory) == len(SIZES) * 2
+    assert store.inventory is not None
+    assert len(store.inventory) == len(SIZES) * 2
 
 
 def test_large_objects_are_striped_over_every_connection(store: Store, threads_settle: None) -> None:
@@ -162,7 +165,8 @@ def test_large_objects_are_striped_over_every_connection(store: Store, threads_s
         assert stats.requests == 2 * 65  # ceil((4 MiB + 3) / 64 KiB) parts each way
     finally:
         t.close()
-    assert store.inventory is not None and len(store.inventory) == 1
+    assert store.inventory is not None
+    assert len(store.inventory) == 1
 
 
 def test_a_batch_of_256_objects(transport: TcpTransport, store: Store) -> None:
@@ -170,7 +174,7 @@ def test_a_batch_of_256_objects(transport: TcpTransport, store: Store) -> None:
     put_then_get(transport, store, [(i * 7919) % 150_000 + 1 for i in range(256)])
 
 
-def test_a_batch_of_256_objects_on_one_connection_with_a_small_window(store: Store, threads_settle: None) -> None:
+def test_256_objects_on_one_connection_with_a_small_window(store: Store, threads_settle: None) -> None:
     t = TcpTransport(connections_per_endpoint=1, window=2)
     try:
         put_then_get(t, store, [100_000] * 256)
@@ -195,7 +199,7 @@ def test_reads_into_a_larger_buffer_and_numpy_views(transport: TcpTransport, sto
     value = random_bytes(10_000, 3)
     assert transport.transfer([store.request(GrantOp.WRITE, b"v", 0, memoryview(value))], Deadline(5)) == [0]
     dest = np.zeros(20_000 // 4, dtype=np.float32)  # a non-byte format: cast to bytes by the transport
-    req = store.request(GrantOp.READ, b"v", 0, memoryview(dest), length=10_000)
+    req = store.request(GrantOp.READ, b"v", 0, memoryview(dest.data), length=10_000)
     assert transport.transfer([req], Deadline(5)) == [ErrorCode.OK]
     assert dest.view(np.uint8)[:10_000].tobytes() == value
     assert not dest.view(np.uint8)[10_000:].any()
@@ -245,8 +249,8 @@ def test_each_request_gets_its_own_code(transport: TcpTransport, store: Store) -
         store.request(GrantOp.WRITE, b"ok", 0, memoryview(ok)),
         TransferRequest(GrantOp.WRITE, b"forged", store.replica(GrantOp.WRITE, b"forged", 8192, 5000,
                                                                  mac=bytes(16)), memoryview(ok)),
-        TransferRequest(GrantOp.WRITE, b"old", store.replica(GrantOp.WRITE, b"old", 16384, 5000, expiry_ms=past),
-                        memoryview(ok)),
+        TransferRequest(GrantOp.WRITE, b"old",
+                        store.replica(GrantOp.WRITE, b"old", 16384, 5000, expiry_ms=past), memoryview(ok)),
         store.request(GrantOp.WRITE, b"oob", SEG_SIZE - 100, memoryview(ok)),
         store.request(GrantOp.WRITE, b"short", 32768, memoryview(ok), length=4000),
         store.request(GrantOp.WRITE, b"ok2", 65536, memoryview(ok)),

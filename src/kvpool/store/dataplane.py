@@ -283,8 +283,7 @@ class DataPlaneServer:
                 self._reply(conn, op, req_id, ErrorCode.OK)
             elif op == Op.STORE_INFO:
                 self._expect_empty(op, req_id, length)
-                payload = json.dumps(self._info()).encode()
-                send_all(conn.sock, HEADER.pack(MAGIC, op, 0, 0, req_id, len(payload)), memoryview(payload))
+                self._send_info(conn, req_id)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -372,6 +371,16 @@ class DataPlaneServer:
     @staticmethod
     def _reply(conn: _Conn, op: int, req_id: int, code: ErrorCode) -> None:
         conn.sock.sendall(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
+
+    def _send_info(self, conn: _Conn, req_id: int) -> None:
+        try:
+            payload = json.dumps(self._info()).encode()
+        except Exception:  # the store's callback failed: say so, keep the connection
+            logger.exception("data plane: store_info failed")
+            conn.stats.error(ErrorCode.INTERNAL)
+            self._reply(conn, Op.STORE_INFO, req_id, ErrorCode.INTERNAL)
+            return
+        send_all(conn.sock, HEADER.pack(MAGIC, Op.STORE_INFO, 0, 0, req_id, len(payload)), memoryview(payload))
 
     def _info(self) -> dict[str, Any]:
         if self._store_info is not None:

@@ -50,11 +50,19 @@ class MasterLink:
         self._max_view = 0
 
     def _stub(self) -> pb_grpc.MasterServiceStub:
+        if self._channel is not None and self._leader_moved():
+            self.reset()  # a new leader is published: go there now, not after a timeout at the old one
         if self._channel is None:
             self._endpoint = self._resolve(2.0)
             self._channel = grpc.insecure_channel(self._endpoint, options=[
                 ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         return pb_grpc.MasterServiceStub(self._channel)
+
+    def _leader_moved(self) -> bool:
+        try:
+            return bool(self._resolve(0.0) != self._endpoint)
+        except KvPoolError:
+            return False
 
     def reset(self) -> None:
         if self._channel is not None:

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(result)))
     else:
         print(f"prefix {result.pages} pages, {result.bytes / 2**20:.1f} MiB; transfer alone "
-              f"{result.fetch_alone_ms:.1f} ms ({result.fetch_alone_gbps:.2f} GB/s); lookup {result.lookup_ms:.2f} ms")
+              f"{result.fetch_alone_ms:.1f} ms ({result.fetch_alone_gbps:.2f} GB/s); "
+              f"lookup {result.lookup_ms:.2f} ms")
         print(f"compute {result.compute_ms:.1f} ms ({result.compute}): transfer {result.fetch_ms:.1f} ms, "
               f"exposed wait {result.wait_ms:.2f} ms -> hidden fraction {result.hidden_fraction:.3f} "
               f"(target >= {TARGET_HIDDEN})")

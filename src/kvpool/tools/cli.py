@@ -24,6 +24,7 @@ from kvpool.common.log import setup_logging
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvpool.tools.bench_transfer", "put/get GB/s against the raw loopback TCP ceiling"),
     "trace": ("kvpool.tools.bench_trace", "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
+    "failover": ("kvpool.tools.bench_failover", "kill the leader master under load: recovery time and objects kept"),
 }
 
 

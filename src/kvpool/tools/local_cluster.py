@@ -72,7 +72,7 @@ class LocalCluster:
     def __init__(self, stores: int = 2, store_size: str = "256MiB", base_dir: str | Path | None = None,
                  master_args: tuple[str, ...] = (), store_args: tuple[str, ...] = (), ha: bool = False,
                  masters: int = 3, nodes: list[str] | None = None, env: dict[str, str] | None = None,
-                 cluster: str = "") -> None:
+                 cluster: str = "", etcd_endpoints: list[str] | None = None) -> None:
         self.base_dir = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.num_stores = stores
@@ -89,6 +89,7 @@ class LocalCluster:
         self._popen: dict[int, subprocess.Popen[bytes]] = {}
         self._counter = 0
         self.etcd: Any = None
+        self._external_etcd = list(etcd_endpoints or [])
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -96,8 +97,12 @@ class LocalCluster:
     def master(self) -> str:
         """The address clients and stores are given."""
         if self.ha:
-            return "etcd://" + ",".join(self.etcd.endpoints)
+            return "etcd://" + ",".join(self.etcd_endpoints)
         return self.masters[0].address
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        return self._external_etcd or (list(self.etcd.endpoints) if self.etcd is not None else [])
 
     @property
     def masters(self) -> list[ProcInfo]:
@@ -109,7 +114,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         try:
-            if self.ha:
+            if self.ha and not self._external_etcd:
                 self._start_etcd()
             for _ in range(self.num_masters):
                 self.add_master(timeout=timeout)
@@ -156,7 +161,7 @@ class LocalCluster:
     def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0) -> ProcInfo:
         args = ["--host", "127.0.0.1", "--port", "0", "--cluster", self.cluster, *self.master_args, *extra]
         if self.ha:
-            args += ["--etcd", ",".join(self.etcd.endpoints)]
+            args += ["--etcd", ",".join(self.etcd_endpoints)]
         return self._spawn("master", args, timeout)
 
     def add_store(self, size: str | None = None, node: str = "", extra: tuple[str, ...] = (),

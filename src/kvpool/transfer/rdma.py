@@ -961,7 +961,11 @@ class RdmaResponder:
     The data plane owns the sockets; for a frame with ``Op.RDMA_CONNECT`` it calls :meth:`handle_connect` with
     the payload and sends back the returned (status, payload). When that TCP connection closes it calls
     :meth:`release` with the same ``conn_id``, which destroys the QPs admitted on it. :meth:`advertisement` is
-    what the store adds to STORE_INFO under ``"rdma"`` so clients know to use RDMA.
+    what the store adds to STORE_INFO under ``"rdma"`` so clients know to use RDMA. Segments come and go with
+    :meth:`add_segment` / :meth:`remove_segment` (which also cuts off every QP admitted to that segment);
+    :meth:`revoke` cuts off QPs without removing anything (a rotated secret, a drain).
+
+    Close the responder before unmapping the segments: its MRs pin their pages.
     """
 
     def __init__(self, verbs: Verbs, segments: Mapping[int, SegmentMemory],
@@ -985,29 +989,76 @@ class RdmaResponder:
         except VerbsError as exc:
             raise KvPoolError(ErrorCode.NOT_SUPPORTED, f"cannot open RDMA device {device}: {exc}") from exc
         self.max_mr_bytes = min(max_mr_bytes or self._ctx.max_mr_bytes, self._ctx.max_mr_bytes)
-        self._mrs: list[MemoryRegion] = []
+        self._mrs: dict[int, list[MemoryRegion]] = {}
         self._regions: dict[int, list[RemoteRegion]] = {}
         try:
             self._cq = self._ctx.create_cq(16)  # store QPs post nothing; a CQ is still required
             for seg_id, segment in segments.items():
-                self._regions[seg_id] = self._register(seg_id, segment)
-        except VerbsError as exc:
+                self._register(seg_id, segment)
+        except KvPoolError:
             self.close()
-            raise KvPoolError(ErrorCode.TRANSFER_FAILED, f"cannot register the segments for RDMA: {exc} "
-                                                         "(memlock ulimit? see docs/rdma.md)") from exc
+            raise
 
-    def _register(self, segment_id: int, segment: SegmentMemory) -> list[RemoteRegion]:
-        view = segment.view
-        base = buffer_address(view)
+    def _register(self, segment_id: int, segment: SegmentMemory) -> None:
+        base = buffer_address(segment.view)
         access = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
-        mrs = register_chunked(self._ctx, base, segment.size, access, self.max_mr_bytes)
-        self._mrs.extend(mrs)
-        return [RemoteRegion(segment_id, mr.addr - base, mr.length, mr.addr, mr.rkey) for mr in mrs]
+        try:
+            mrs = register_chunked(self._ctx, base, segment.size, access, self.max_mr_bytes)
+        except VerbsError as exc:
+            raise KvPoolError(ErrorCode.TRANSFER_FAILED, f"cannot register segment {segment_id} for RDMA: "
+                                                         f"{exc} (memlock ulimit? see docs/rdma.md)") from exc
+        with self._lock:
+            self._mrs[segment_id] = mrs
+            self._regions[segment_id] = [RemoteRegion(segment_id, mr.addr - base, mr.length, mr.addr, mr.rkey)
+                                         for mr in mrs]
+
+    def add_segment(self, segment_id: int, segment: SegmentMemory, secret: bytes) -> None:
+        """Serve one more segment over RDMA (register it; its grants verify with ``secret``)."""
+        self._register(segment_id, segment)
+        with self._lock:
+            self._secrets[segment_id] = secret
+
+    def remove_segment(self, segment_id: int) -> list[Hashable]:
+        """Stop serving a segment: cut off the QPs admitted to it (their ``conn_id`` is returned, see
+        :meth:`revoke`), then deregister its MRs."""
+        conns = self.revoke(segment_id)
+        with self._lock:
+            mrs = self._mrs.pop(segment_id, [])
+            self._regions.pop(segment_id, None)
+            self._secrets.pop(segment_id, None)
+        for mr in mrs:
+            _close_quietly(mr)
+        return conns
+
+    def revoke(self, segment_id: int | None = None) -> list[Hashable]:
+        """Destroy the QPs admitted to ``segment_id`` (None: all); returns their connections' ``conn_id``.
+
+        The caller should close those control connections: their clients then notice at once and reconnect
+        with a fresh grant (otherwise their next work request fails with a retry timeout first).
+        """
+        with self._lock:
+            victims: list[_Admitted] = []
+            conns: list[Hashable] = []
+            for conn_id, admitted in list(self._admitted.items()):
+                keep = [a for a in admitted if segment_id is not None and segment_id not in a.segments]
+                if len(keep) == len(admitted):
+                    continue
+                conns.append(conn_id)
+                victims.extend(a for a in admitted if a not in keep)
+                if keep:
+                    self._admitted[conn_id] = keep
+                else:
+                    del self._admitted[conn_id]
+        for entry in victims:
+            _close_quietly(entry.qp)
+        return conns
 
     # ---- what the data plane calls
     def advertisement(self) -> dict[str, Any]:
         """The ``"rdma"`` entry of STORE_INFO."""
-        return {"v": PROTOCOL_VERSION, "device": self.device, "segments": sorted(self._regions)}
+        with self._lock:
+            segments = sorted(self._regions)
+        return {"v": PROTOCOL_VERSION, "device": self.device, "segments": segments}
 
     @property
     def connections(self) -> int:
@@ -1048,9 +1099,10 @@ class RdmaResponder:
         for admitted in conns:
             for entry in admitted:
                 _close_quietly(entry.qp)
-        for mr in self._mrs:
-            _close_quietly(mr)
-        self._mrs = []
+        for mrs in self._mrs.values():
+            for mr in mrs:
+                _close_quietly(mr)
+        self._mrs = {}
         cq = getattr(self, "_cq", None)
         if cq is not None:
             _close_quietly(cq)
@@ -1087,7 +1139,8 @@ class RdmaResponder:
             raise
         with self._lock:
             self._admitted.setdefault(conn_id, []).append(_Admitted(qp, writable, segments))
-        regions = [r.to_json() for s in sorted(segments) for r in self._regions[s]]
+        with self._lock:
+            regions = [r.to_json() for s in sorted(segments) for r in self._regions.get(s, [])]
         local = QpInfo(qp.qp_num, port.lid, port.gid, psn, mtu)
         return _encode({"qp": qp_info_to_json(local), "access": "rw" if writable else "r",
                         "regions": regions})
@@ -1099,12 +1152,14 @@ class RdmaResponder:
         segment's secret and be unexpired, and a WRITE grant is what allows writes.
         """
         now = self._clock.wall_ms()
+        with self._lock:
+            secrets_now, served = dict(self._secrets), set(self._regions)
         segments: set[int] = set()
         writable = token_verified
         for grant in grants:
             seg = grant.segment_id
-            secret = self._secrets.get(seg)
-            if secret is None or grant.segment_id not in self._regions:
+            secret = secrets_now.get(seg)
+            if secret is None or seg not in served:
                 raise KvPoolError(ErrorCode.SEGMENT_NOT_FOUND, f"segment {seg} is not served here")
             if not verify(secret, grant):
                 raise KvPoolError(ErrorCode.AUTH_FAILED, f"the grant for segment {seg} does not verify")
@@ -1113,7 +1168,7 @@ class RdmaResponder:
             segments.add(grant.segment_id)
             writable = writable or grant.op == GrantOp.WRITE
         if token_verified:
-            segments = set(self._regions)
+            segments = served
         if not segments:
             raise KvPoolError(ErrorCode.AUTH_FAILED, "RDMA_CONNECT needs the cluster token or a master grant")
         return frozenset(segments), writable

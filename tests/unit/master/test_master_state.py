@@ -478,8 +478,8 @@ def test_object_meta_replica_view() -> None:
 
 def test_memory_per_object_is_under_400_bytes() -> None:
     # ~1000 objects per shard, as 1 M objects in 1024 shards; keys: 64 hex chars plus a short suffix.
-    c = Cluster(segments={1: 64 * 1024 * MiB}, num_shards=4)
-    n, batch = 4000, 1000
+    c = Cluster(segments={1: 64 * 1024 * MiB}, num_shards=8)
+    n, batch = 8000, 1000
     keys = [f"{random.Random(i).getrandbits(256):064x}@tp0_r1" for i in range(n)]
     tracemalloc.start()
     try:

@@ -1,4 +1,4 @@
-"""The store inventory: entries only for fully written objects, never for overwritten bytes, bounded memory."""
+"""The store inventory: entries only for fully written objects, never for overwritten bytes; bounded."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from kvpool.store.inventory import Inventory, InventoryEntry
 SEG = 7
 
 
-def write_whole(inv: Inventory, offset: int, length: int, key: bytes, checksum: int = 1, seg: int = SEG) -> bool:
+def write_whole(inv: Inventory, offset: int, length: int, key: bytes, checksum: int = 1,
+                seg: int = SEG) -> bool:
     inv.begin_write(seg, offset, length, key, checksum)
     return inv.record_part(seg, offset, length, key, checksum, 0, length)
 
@@ -148,7 +149,9 @@ def test_segments_are_independent_and_can_be_dropped_whole() -> None:
     assert [e.key for e in inv.entries(1)] == [b"a"]
     assert sorted(inv.segment_ids()) == [1, 2]
     assert inv.drop_segment(2) == 1
-    assert inv.entries(2) == [] and len(inv) == 1 and inv.pending() == 0
+    assert inv.entries(2) == []
+    assert len(inv) == 1
+    assert inv.pending() == 0
     assert inv.drop_segment(2) == 0
 
 
@@ -187,9 +190,9 @@ def test_partial_writes_are_bounded_in_number() -> None:
 
 def test_parts_outside_the_object_are_refused() -> None:
     inv = Inventory()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="outside object"):
         inv.record_part(SEG, 0, 100, b"k", 1, 90, 20)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="outside object"):
         inv.record_part(SEG, 0, 100, b"k", 1, -1, 5)
 
 
@@ -239,10 +242,10 @@ def test_entries_never_overlap_and_match_the_last_writes(writes: list[tuple[int,
     owner: dict[int, int] = {}
     for i, (off, n) in enumerate(writes):
         write_whole(inv, off, n, b"w%d" % i, i)
-        for b in range(off, off + n):
-            owner[b] = i
+        for pos in range(off, off + n):
+            owner[pos] = i
     entries = inv.entries(SEG)
-    for a, b in zip(entries, entries[1:], strict=False):
-        assert a.offset + a.length <= b.offset
-    for e in entries:
-        assert all(owner[b] == e.checksum for b in range(e.offset, e.offset + e.length))
+    for before, after in zip(entries, entries[1:], strict=False):
+        assert before.offset + before.length <= after.offset
+    for entry in entries:
+        assert all(owner[pos] == entry.checksum for pos in range(entry.offset, entry.offset + entry.length))

@@ -94,11 +94,14 @@ class ControlServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if self._stopping:
+                conn.close()
+                return
             self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn_id = object()
+        conn_id = conn  # what revoke() hands back, so that we can close it
         verified = False
         try:
             while True:
@@ -124,15 +127,20 @@ class ControlServer:
                 self.responder.release(conn_id)
             conn.close()
 
-    def drop_connections(self) -> None:
+    def drop_connections(self, which: list[object] | None = None) -> None:
         for conn in self._conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            if which is None or conn in which:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         self._stopping = True
+        try:  # wakes the accept() of the serving thread: close() alone leaves the socket listening
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         self.drop_connections()
 
@@ -641,6 +649,45 @@ def test_responder_limits_connections() -> None:
     finally:
         responder.close()
         segment.close()
+
+
+def test_revoke_cuts_off_admitted_clients_and_they_reconnect(rig: Rig) -> None:
+    data = bytearray(os.urandom(8192))
+    assert rig.one(rig.request(GrantOp.WRITE, b"v", 0, data)) == ErrorCode.OK
+    revoked = rig.responder.revoke(SEG_ID + 1)  # another segment: nobody is cut off
+    assert revoked == []
+    revoked = rig.responder.revoke()
+    assert len(revoked) == 1
+    assert rig.responder.connections == 0
+    rig.server.drop_connections(revoked)  # the data plane closes the control connections it is handed
+    peer = rig.transport._peers[rig.server.endpoint]
+    assert _wait_until(lambda: peer.conn is not None and not peer.conn.usable)
+    assert rig.one(rig.request(GrantOp.WRITE, b"v", 0, data)) == ErrorCode.OK  # a fresh QP, a fresh grant
+    assert rig.transport.stats.connects == 2
+
+
+def test_remove_and_add_segment(rig: Rig) -> None:
+    assert rig.one(rig.request(GrantOp.WRITE, b"s", 0, bytearray(64))) == ErrorCode.OK
+    store_ctx = rig.store_verbs.contexts[0]
+    assert store_ctx.mr_count == 4  # 16 MiB in 4 MiB MRs
+    assert len(rig.responder.remove_segment(SEG_ID)) == 1
+    assert store_ctx.mr_count == 0
+    assert rig.responder.advertisement()["segments"] == []
+    rig.server.drop_connections()
+    assert _wait_until(lambda: rig.responder.connections == 0)
+    assert rig.one(rig.request(GrantOp.WRITE, b"s", 0, bytearray(64))) == ErrorCode.SEGMENT_NOT_FOUND
+    other = _Segment(2 * MiB)
+    try:
+        rig.responder.add_segment(SEG_ID, other, rig.secret)
+        assert rig.responder.advertisement()["segments"] == [SEG_ID]
+        rig.transport.reconnect_cooldown_s = 0.0
+        rig.transport._peers[rig.server.endpoint].down_until = 0.0
+        data = bytearray(os.urandom(64))
+        assert rig.one(rig.request(GrantOp.WRITE, b"s", 128, data)) == ErrorCode.OK
+        assert other.view[128:192] == data
+        rig.responder.remove_segment(SEG_ID)
+    finally:
+        other.close()
 
 
 # ---------------------------------------------------------------------- discovery and the factory

@@ -252,7 +252,8 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return ok
 
     def _set_via_flat_pages(self, keys: list[str], host_indices: Any) -> list[bool]:
-        pages = [self.mem_pool_host.get_data_page(slot, flat=True) for slot in self._slots(keys, host_indices)]
+        slots = self._slots(keys, host_indices)
+        pages = [self.mem_pool_host.get_data_page(slot, flat=True) for slot in slots]
         return [self.batch_set(keys, pages)] * len(keys)
 
     # --- generic (legacy) path: flat page tensors ----------------------------------------------------

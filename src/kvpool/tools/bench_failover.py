@@ -1,0 +1,251 @@
+"""``kvpool bench failover``: kill the leader master under load and measure what the clients see.
+
+Prints the time until a new leader serves, the time until the first successful client read after the
+kill, the fraction of objects acknowledged more than 1 s before the kill that are readable afterwards
+with correct bytes, and the number of wrong reads during the whole run (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+
+from kvpool.common.clock import Deadline
+from kvpool.proto import master_pb2 as pb
+from kvpool.proto import master_pb2_grpc as pb_grpc
+
+
+@dataclass
+class FailoverResult:
+    fault: str
+    seconds_to_new_leader: float
+    seconds_to_first_read: float
+    recovered_fraction: float
+    objects_checked: int
+    wrong_reads: int
+    reads_during_run: int
+    failed_calls: int
+    old_leader: str
+    new_leader: str
+    notes: list[str] = field(default_factory=list)
+
+
+class Workload:
+    """Background readers and a writer; every read is checked against what was written."""
+
+    def __init__(self, master: str, value_bytes: int, cluster: str = "kvpool") -> None:
+        from kvpool.client import ClientConfig, PoolClient
+
+        self._config = ClientConfig(master=master, use_shm=False, timeout_s=2.0, cluster=cluster,
+                                    breaker_backoff_s=0.1, breaker_max_backoff_s=0.5)
+        self.client = PoolClient(config=self._config)
+        self.value_bytes = value_bytes
+        self.acked: dict[str, tuple[float, bytes]] = {}   # key -> (ack time, sha256 of the value)
+        self.read_ok_times: list[float] = []
+        self.wrong_reads = 0
+        self.reads = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def write(self, count: int, prefix: str) -> int:
+        """Write ``count`` new objects; returns how many were acknowledged."""
+        keys = [f"{prefix}-{i}" for i in range(count)]
+        acked = 0
+        for start in range(0, count, 32):
+            chunk = keys[start:start + 32]
+            values = [os.urandom(self.value_bytes) for _ in chunk]
+            codes = self.client.batch_put_from(chunk, values)
+            now = time.monotonic()
+            with self._lock:
+                for key, value, code in zip(chunk, values, codes, strict=True):
+                    if code == 0:
+                        self.acked[key] = (now, hashlib.sha256(value).digest())
+                        acked += 1
+                    else:
+                        self.failed += 1
+        return acked
+
+    def write_until(self, count: int, prefix: str, timeout: float) -> int:
+        """Keep writing batches of new objects until ``count`` are acknowledged (or the timeout)."""
+        deadline = Deadline(timeout)
+        acked = batch = 0
+        while acked < count and not deadline.expired():
+            acked += self.write(min(16, count - acked), f"{prefix}-{batch}")
+            batch += 1
+        return acked
+
+    def _reader(self) -> None:
+        rng = random.Random()
+        while not self._stop.is_set():
+            with self._lock:
+                keys = rng.sample(sorted(self.acked), min(8, len(self.acked)))
+            if not keys:
+                time.sleep(0.01)
+                continue
+            for key, value in zip(keys, self.client.batch_get(keys), strict=True):
+                if value is None:
+                    with self._lock:
+                        self.failed += 1
+                    time.sleep(0.005)  # the pool is failing over: do not spin
+                    continue
+                with self._lock:
+                    self.reads += 1
+                    self.read_ok_times.append(time.monotonic())
+                    if hashlib.sha256(value).digest() != self.acked[key][1]:
+                        self.wrong_reads += 1
+
+    def _writer(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            self.write(8, f"live-{n}")
+            n += 1
+            time.sleep(0.02)
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._reader, daemon=True),
+                         threading.Thread(target=self._writer, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def verify(self, acked_before: float) -> tuple[int, int, int]:
+        """(objects checked, readable with correct bytes, wrong) for objects acked before ``acked_before``."""
+        keys = [k for k, (t, _) in self.acked.items() if t < acked_before]
+        good = wrong = 0
+        for start in range(0, len(keys), 64):
+            chunk = keys[start:start + 64]
+            for key, value in zip(chunk, self.client.batch_get(chunk, timeout=5.0), strict=True):
+                if value is None:
+                    continue
+                if hashlib.sha256(value).digest() == self.acked[key][1]:
+                    good += 1
+                else:
+                    wrong += 1
+        return len(keys), good, wrong
+
+    def verify_until(self, acked_before: float, fraction: float, timeout: float) -> tuple[int, int, int]:
+        """``verify`` again until ``fraction`` is readable (stores re-mount within a heartbeat or two)."""
+        deadline = Deadline(timeout)
+        while True:
+            checked, good, wrong = self.verify(acked_before)
+            if wrong or good >= fraction * checked or deadline.expired():
+                return checked, good, wrong
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def serving_leader(endpoints: list[str], exclude: str = "") -> str:
+    """The gRPC endpoint of a master that says it is the serving leader, or ''."""
+    for endpoint in endpoints:
+        if endpoint == exclude:
+            continue
+        try:
+            with grpc.insecure_channel(endpoint) as channel:
+                stats = pb_grpc.MasterServiceStub(channel).GetStats(pb.StatsRequest(), timeout=0.3)
+        except grpc.RpcError:
+            continue
+        if stats.role == "leader":
+            return endpoint
+    return ""
+
+
+def wait_for_leader(endpoints: list[str], timeout: float, exclude: str = "") -> str:
+    deadline = Deadline(timeout)
+    while not deadline.expired():
+        leader = serving_leader(endpoints, exclude)
+        if leader:
+            return leader
+        time.sleep(0.05)
+    return ""
+
+
+def run_failover(cluster: Any, fault: str = "sigkill", objects: int = 400, value_bytes: int = 16 << 10,
+                 settle_s: float = 1.2, timeout: float = 30.0) -> FailoverResult:
+    """Kill (or freeze) the leader of a running HA LocalCluster under load and measure."""
+    endpoints = [m.address for m in cluster.masters]
+    old = wait_for_leader(endpoints, timeout)
+    workload = Workload(cluster.master, value_bytes, cluster.cluster)
+    try:
+        workload.write(objects, "base")
+        time.sleep(settle_s)  # the acceptance counts objects acknowledged more than 1 s before the fault
+        workload.start()
+        time.sleep(0.5)
+        victim = next(m for m in cluster.masters if m.address == old)
+        t0 = time.monotonic()
+        if fault == "sigkill":
+            cluster.kill(victim)
+        elif fault == "sigstop":
+            cluster.signal(victim, signal.SIGSTOP)
+        new = wait_for_leader(endpoints, timeout, exclude=old)
+        t_leader = time.monotonic() - t0
+        deadline = Deadline(timeout)
+        while not deadline.expired() and not any(t > t0 + t_leader for t in workload.read_ok_times):
+            time.sleep(0.02)
+        first_read = min((t for t in workload.read_ok_times if t > t0 + t_leader), default=float("nan")) - t0
+        workload.stop()
+        checked, good, wrong = workload.verify_until(t0 - 1.0, 0.99, timeout)
+        notes = []
+        if fault == "sigstop":
+            cluster.signal(victim, signal.SIGCONT)
+            notes.append("old leader resumed with SIGCONT")
+        return FailoverResult(fault, t_leader, first_read, good / checked if checked else 0.0, checked,
+                              workload.wrong_reads + wrong, workload.reads, workload.failed, old, new, notes)
+    finally:
+        workload.stop()
+        workload.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=int, default=3, help="failovers to measure (default 3); medians printed")
+    parser.add_argument("--leader-ttl-s", type=float, default=3.0, help="leader lease TTL (default: 3 s)")
+    parser.add_argument("--objects", type=int, default=400)
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import statistics
+
+    from kvpool.tools.local_cluster import LocalCluster
+
+    results = []
+    for i in range(args.runs):
+        with LocalCluster(stores=2, store_size="64MiB", ha=True,
+                          master_args=("--leader-ttl-s", str(args.leader_ttl_s))) as cluster:
+            results.append(run_failover(cluster, objects=args.objects))
+            print(f"run {i + 1}: {asdict(results[-1])}", file=sys.stderr)
+    doc = {
+        "leader_ttl_s": args.leader_ttl_s,
+        "seconds_to_new_leader": statistics.median(r.seconds_to_new_leader for r in results),
+        "seconds_to_first_read": statistics.median(r.seconds_to_first_read for r in results),
+        "recovered_fraction": statistics.median(r.recovered_fraction for r in results),
+        "wrong_reads": sum(r.wrong_reads for r in results),
+        "runs": [asdict(r) for r in results],
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"leader TTL {args.leader_ttl_s:.1f} s, medians of {args.runs} runs:")
+        print(f"  new leader serving after     {doc['seconds_to_new_leader']:.2f} s")
+        print(f"  first client read after      {doc['seconds_to_first_read']:.2f} s")
+        print(f"  objects recovered            {doc['recovered_fraction']:.1%}")
+        print(f"  wrong reads                  {doc['wrong_reads']}")
+    return 0 if doc["wrong_reads"] == 0 else 1
