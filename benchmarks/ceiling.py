@@ -74,38 +74,59 @@ def _serve(max_size: int) -> None:
             conn.sendall(payload[:size])
 
 
-def measure_tcp(size: int, seconds: float = 2.0) -> TcpResult:
-    """Throughput and p50 latency of synchronous ``size``-byte responses over one loopback connection."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(size)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        sock = socket.create_connection(("127.0.0.1", port))
-        _tune(sock)
-        dest = memoryview(bytearray(size))
-        request = _REQ.pack(size)
+class RawTcpPeer:
+    """A raw server process and one tuned connection to it; ``measure`` can be called many times (so other
+    benchmarks can interleave ceiling slices with their own, and compare under the same machine load)."""
+
+    def __init__(self, max_size: int = max(SIZES)) -> None:
+        self.max_size = max_size
+        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(max_size)],
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        port = int(self._proc.stdout.readline())
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        _tune(self._sock)
+        self._dest = memoryview(bytearray(max_size))
+
+    def measure(self, size: int, seconds: float) -> TcpResult:
+        """Synchronous ``size``-byte responses for about ``seconds``: GB/s and p50 latency."""
+        if not 0 < size <= self.max_size:
+            raise ValueError(f"size must be in (0, {self.max_size}]")
+        sock, dest, request = self._sock, self._dest[:size], _REQ.pack(size)
         for _ in range(5):  # warm up: TCP window growth, page faults of the destination
             sock.sendall(request)
             _recv_exact(sock, dest)
         latencies: list[float] = []
-        start = time.perf_counter()
+        start = now = time.perf_counter()
         end = start + seconds
-        now = start
         while now < end:
             sock.sendall(request)
             _recv_exact(sock, dest)
             after = time.perf_counter()
             latencies.append(after - now)
             now = after
-        elapsed = now - start
-        sock.sendall(_REQ.pack(0))
-        sock.close()
-    finally:
-        proc.wait(timeout=10)
-    latencies.sort()
-    return TcpResult(size, len(latencies) * size / elapsed / 1e9, latencies[len(latencies) // 2] * 1e6,
-                     len(latencies))
+        latencies.sort()
+        return TcpResult(size, len(latencies) * size / (now - start) / 1e9,
+                         latencies[len(latencies) // 2] * 1e6, len(latencies))
+
+    def close(self) -> None:
+        try:
+            self._sock.sendall(_REQ.pack(0))
+            self._sock.close()
+        finally:
+            self._proc.wait(timeout=10)
+
+    def __enter__(self) -> RawTcpPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def measure_tcp(size: int, seconds: float = 2.0) -> TcpResult:
+    """Throughput and p50 latency of synchronous ``size``-byte responses over one loopback connection."""
+    with RawTcpPeer(size) as peer:
+        return peer.measure(size, seconds)
 
 
 def measure_tcp_ceiling(size: int, seconds: float = 2.0) -> float:

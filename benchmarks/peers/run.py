@@ -34,7 +34,7 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PEERS_VENV = HERE / ".venv-mooncake"
+PEERS_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-mooncake")   # as setup.sh
 PEERS_PY = PEERS_VENV / "bin" / "python"
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -16,6 +16,8 @@ REDIS_PY="redis[hiredis]==5.2.1"
 PYTHON="${PYTHON:-python3}"
 t0=$(date +%s)
 say() { echo "peers/setup: $*"; }
+# pip install, without the warnings this machine's pip.conf produces about absent local mirrors
+pip_install() { "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 # --- Debian packages -------------------------------------------------------------------------------
 need=()
@@ -44,21 +46,22 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV ($("$PYTHON" --version 2>&1))"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
+  pip_install --upgrade pip
 fi
 installed="$("$VENV/bin/python" -m pip show "$MOONCAKE_PKG" 2>/dev/null | awk '/^Version:/{print $2}' || true)"
 if [ "$installed" != "$MOONCAKE_VERSION" ]; then
   # Is the exact version on PyPI (for this Python)? If not, say so and take the newest available.
   tmp="$(mktemp -d)"
-  if "$VENV/bin/python" -m pip download -q --no-deps -d "$tmp" "$MOONCAKE_PKG==$MOONCAKE_VERSION" >/dev/null 2>&1; then
+  if "$VENV/bin/python" -m pip download -q --no-deps -d "$tmp" "$MOONCAKE_PKG==$MOONCAKE_VERSION" \
+       >/dev/null 2>&1; then
     spec="$MOONCAKE_PKG==$MOONCAKE_VERSION"
     say "$MOONCAKE_PKG==$MOONCAKE_VERSION is on PyPI; installing it"
-    "$VENV/bin/python" -m pip install -q "$tmp"/*.whl 2> >(grep -v "is ignored: it is neither" >&2)
+    pip_install "$tmp"/*.whl
   else
     spec="$MOONCAKE_PKG"
     say "WARNING: $MOONCAKE_PKG==$MOONCAKE_VERSION is not on PyPI for $("$VENV/bin/python" --version);" \
         "installing the newest available version instead" >&2
-    "$VENV/bin/python" -m pip install -q "$spec"
+    pip_install "$spec"
   fi
   rm -rf "$tmp"
 else
@@ -66,7 +69,7 @@ else
 fi
 if ! "$VENV/bin/python" -c "import redis, hiredis" 2>/dev/null; then
   say "installing $REDIS_PY"
-  "$VENV/bin/python" -m pip install -q "$REDIS_PY"
+  pip_install "$REDIS_PY"
 else
   say "redis-py $("$VENV/bin/python" -c 'import redis; print(redis.__version__)') already installed"
 fi

@@ -99,7 +99,7 @@ class MasterClient:
         """Ask the (current) master where its framed endpoint is; remember the answer."""
         grpc_endpoint = self._resolve(_timeout(deadline, 2.0))
         with grpc.insecure_channel(grpc_endpoint) as channel:
-            stub = pb_grpc.MasterServiceStub(channel)
+            stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 info = stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=_timeout(deadline, 2.0),
                                            metadata=grpc_metadata(self._token))
@@ -109,7 +109,7 @@ class MasterClient:
             self._grpc_endpoint = grpc_endpoint
             self._rpc_endpoint = info.rpc_endpoint
             self.info = info
-        return info.rpc_endpoint
+        return str(info.rpc_endpoint)
 
     def invalidate(self) -> None:
         """Forget the master's endpoints and connections (leader change, unreachable master)."""
@@ -123,7 +123,7 @@ class MasterClient:
     def grpc_endpoint(self) -> str:
         if not self._grpc_endpoint:
             self._discover(Deadline(5.0))
-        return self._grpc_endpoint
+        return str(self._grpc_endpoint)
 
     # --- connections ---------------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class MasterClient:
             try:
                 sock = self._checkout(deadline)
                 payload = self._roundtrip(sock, op, body, deadline)
-                response = resp_type.FromString(bytes(payload))
+                response = resp_type.FromString(bytes(payload))  # type: ignore[attr-defined]
                 self._checkin(sock)
                 sock = None
             except (OSError, KvPoolError) as exc:
@@ -223,7 +223,7 @@ class MasterClient:
     def grpc_call(self, method: str, request: Any, timeout: float = 10.0) -> Any:
         """A control-plane call over gRPC (admin, stats); raises KvPoolError."""
         with grpc.insecure_channel(self.grpc_endpoint) as channel:
-            stub = pb_grpc.MasterServiceStub(channel)
+            stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 response = getattr(stub, method)(request, timeout=timeout, metadata=grpc_metadata(self._token))
             except grpc.RpcError as exc:
@@ -254,4 +254,7 @@ def _make_resolver(master: str, cluster: str) -> Callable[[float], str]:
 
         return etcd_resolver(master, cluster)
     split_endpoint(master)  # validate early: a typo should fail at construction, not on first call
-    return lambda wait_s=0.0: master
+    def direct(wait_s: float = 0.0) -> str:
+        return master
+
+    return direct

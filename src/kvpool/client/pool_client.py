@@ -364,7 +364,8 @@ class PoolClient:
 
     def stats(self, timeout: float = 10.0) -> pb.StatsResponse:
         """The master's view of the cluster (objects, capacity, hit counters, segments)."""
-        return self._master.call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(timeout))
+        stats: pb.StatsResponse = self._master.call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(timeout))
+        return stats
 
     def metrics(self) -> dict[str, int]:
         """This client's counters, for the engine to publish."""

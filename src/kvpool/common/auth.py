@@ -63,7 +63,7 @@ class TokenChecker:
         return _TokenInterceptor(self)
 
 
-class _TokenInterceptor(grpc.aio.ServerInterceptor):
+class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, checker: TokenChecker) -> None:
         self._checker = checker
 

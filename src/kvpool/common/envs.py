@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T", str, int, float, bool)
 
@@ -25,9 +25,9 @@ class EnvVar(Generic[T]):
             return self.default
         kind = type(self.default)
         if kind is bool:
-            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value,unused-ignore]
         try:
-            return kind(raw)  # type: ignore[return-value]
+            return kind(raw)  # type: ignore[return-value,unused-ignore]
         except ValueError as exc:
             raise ValueError(f"environment variable {self.name}={raw!r} is not a valid {kind.__name__}") from exc
 
@@ -46,7 +46,7 @@ KVPOOL_TEST_RDMA_DEVICE = EnvVar("KVPOOL_TEST_RDMA_DEVICE", "", "Run the opt-in 
 KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
 KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
 
-ALL = [
+ALL: list[EnvVar[Any]] = [
     KVPOOL_MASTER,
     KVPOOL_CLUSTER,
     KVPOOL_TOKEN,

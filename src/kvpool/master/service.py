@@ -238,7 +238,7 @@ class MasterHandlers:
 def _segment_info(seg: Any) -> pb.SegmentInfo:
     return pb.SegmentInfo(
         id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
-        shm_path=seg.shm_path, status=int(seg.status), numa_node=seg.numa_node, used=seg.used,
+        shm_path=seg.shm_path, status=int(seg.status), numa_node=seg.numa_node, used=seg.used,  # type: ignore[arg-type]
         objects=seg.objects,
     )
 
@@ -286,7 +286,8 @@ def _make_servicer(handlers: MasterHandlers) -> pb_grpc.MasterServiceServicer:
             return handlers.dispatch(_m, request, _r)
 
         methods[method.name] = call
-    return type("MasterServicer", (pb_grpc.MasterServiceServicer,), methods)()
+    servicer: pb_grpc.MasterServiceServicer = type("MasterServicer", (pb_grpc.MasterServiceServicer,), methods)()
+    return servicer
 
 
 class FramedRpcServer:
@@ -337,7 +338,7 @@ class FramedRpcServer:
                     await writer.drain()
                     return
                 name, request_type, response_type = method
-                request = request_type.FromString(payload)
+                request = request_type.FromString(payload)  # type: ignore[attr-defined]
                 body = self._handlers.dispatch(name, request, response_type).SerializeToString()
                 writer.write(frames.pack_header(head.op, head.req_id, len(body)) + body)
                 await writer.drain()
@@ -405,7 +406,7 @@ class MasterServer:
             options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
             interceptors=[self._auth.grpc_interceptor()] if self._auth.required else None,
         )
-        pb_grpc.add_MasterServiceServicer_to_server(_make_servicer(self.handlers), self._grpc)
+        pb_grpc.add_MasterServiceServicer_to_server(_make_servicer(self.handlers), self._grpc)  # type: ignore[no-untyped-call]
         grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if grpc_port == 0:
             raise KvPoolError(ErrorCode.UNAVAILABLE, f"cannot listen on {self.config.host}:{self.config.port}")

@@ -56,7 +56,7 @@ class MasterLink:
             self._endpoint = self._resolve(2.0)
             self._channel = grpc.insecure_channel(self._endpoint, options=[
                 ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
-        return pb_grpc.MasterServiceStub(self._channel)
+        return pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def _leader_moved(self) -> bool:
         try:
@@ -168,7 +168,7 @@ class StoreServer:
     def mount(self, remount: bool) -> bool:
         """Mount (or re-mount with the inventory); False when the master is unreachable."""
         assert self.segment is not None
-        entries = [pb.InventoryEntry(key=e.key, offset=e.offset, length=e.length, checksum=e.checksum)
+        entries = [pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
                    for e in self.inventory.entries(self.segment.id)]
         request = pb.MountSegmentRequest(segment=self._segment_info(), secret=self._secret,
                                          inventory=entries, remount=remount)
@@ -270,3 +270,7 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
         Path(ready_file).write_text(json.dumps(info))
     store.run()
     return 0
+
+
+def _text(key: str | bytes) -> str:
+    return key.decode() if isinstance(key, bytes) else key

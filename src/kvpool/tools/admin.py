@@ -41,7 +41,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _stats(args: argparse.Namespace) -> pb.StatsResponse:
-    return _client(args).call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(args.timeout))
+    stats: pb.StatsResponse = _client(args).call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(args.timeout))
+    return stats
 
 
 def nodes_doc(stats: pb.StatsResponse) -> dict[str, Any]:
@@ -124,18 +125,27 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 }
 
 
+def _add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """Options accepted before and after the command name (``kvpool-admin nodes --json`` both ways)."""
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument("--master", default=default(""), help="master address (default: KVPOOL_MASTER)")
+    parser.add_argument("--cluster", default=default(envs.KVPOOL_CLUSTER.get()),
+                        help="cluster name (etcd key prefix)")
+    parser.add_argument("--token-file", default=default(""), help="cluster token file (default: KVPOOL_TOKEN_FILE)")
+    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds per call")
+    parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-admin", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--master", default="", help="master address (default: KVPOOL_MASTER)")
-    parser.add_argument("--cluster", default=envs.KVPOOL_CLUSTER.get(), help="cluster name (etcd key prefix)")
-    parser.add_argument("--token-file", default="", help="cluster token file (default: KVPOOL_TOKEN_FILE)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (func, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object")
+        _add_common(p, suppress=True)
         if name == "evict":
             p.add_argument("--prefix", default="", help="only keys starting with this")
             p.add_argument("--force", action="store_true", help="also remove leased and pinned objects")

@@ -160,7 +160,8 @@ def serving_leader(endpoints: list[str], exclude: str = "") -> str:
             continue
         try:
             with grpc.insecure_channel(endpoint) as channel:
-                stats = pb_grpc.MasterServiceStub(channel).GetStats(pb.StatsRequest(), timeout=0.3)
+                stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
+                stats = stub.GetStats(pb.StatsRequest(), timeout=0.3)
         except grpc.RpcError:
             continue
         if stats.role == "leader":

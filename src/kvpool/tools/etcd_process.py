@@ -21,6 +21,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ETCD_BINARY = "etcd"
 
@@ -218,7 +219,7 @@ class EtcdCluster:
                 return i
         raise KeyError(member_id)
 
-    def _status(self, m: _Member) -> dict[str, object]:
+    def _status(self, m: _Member) -> dict[str, Any]:
         req = urllib.request.Request(
             f"{m.client_url}/v3/maintenance/status", data=b"{}", headers={"Content-Type": "application/json"}
         )

@@ -80,6 +80,8 @@ _POLL_BATCH = 64
 _ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
 
+# Connect refusals about the request's grants, not about the path to the store: no cooldown for these.
+_REQUEST_REFUSALS = frozenset({ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.SEGMENT_NOT_FOUND})
 _TIMEOUT_STATUSES = frozenset({WcStatus.RETRY_EXC_ERR, WcStatus.RNR_RETRY_EXC_ERR, WcStatus.RESP_TIMEOUT_ERR})
 
 
@@ -813,7 +815,8 @@ class RdmaTransport(Transport):
             peer.conn = self._connect(peer.endpoint, grants, need_write, deadline)
         except KvPoolError as exc:
             self._count("connect_failures")
-            peer.down_until = time.monotonic() + self.reconnect_cooldown_s
+            if exc.code not in _REQUEST_REFUSALS:  # the path failed, not this request's grant: back off
+                peer.down_until = time.monotonic() + self.reconnect_cooldown_s
             if exc.code in (ErrorCode.NOT_SUPPORTED, ErrorCode.UNKNOWN_OP):
                 peer.rdma = False  # the store does not serve RDMA after all: TCP from now on
             logger.warning("rdma %s: connect failed: %s", peer.endpoint, exc)
