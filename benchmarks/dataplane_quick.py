@@ -1,10 +1,12 @@
 """Quick data-path benchmark: TcpTransport against a DataPlaneServer in another process.
 
-Prints batched put/get GB/s for 1 MiB and 4 MiB values, single 64 KiB get p50 latency, and each as a
-ratio to this machine's raw loopback TCP ceiling (benchmarks/ceiling.py). The test harness plays the
-master: it signs the grants with the segment's secret.
+Reports batched put/get GB/s of 1 MiB and 4 MiB values (64 MiB per batch, distinct keys and offsets),
+single 64 KiB get latency, and each as a ratio to this machine's raw loopback TCP ceiling
+(benchmarks/ceiling.py). The ceiling is measured in slices *interleaved* with the transport's slices and
+each ratio is taken per round, so a machine shared with other work (load comes and goes) does not skew
+the ratios; medians over the rounds are printed. The harness plays the master: it signs the grants.
 
-    PYTHONPATH=src python benchmarks/dataplane_quick.py [--json] [--seconds 2]
+    PYTHONPATH=src python benchmarks/dataplane_quick.py [--json] [--rounds 5] [--slice 0.5]
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not spin beside the benchmark
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ceiling import measure_tcp  # noqa: E402
+from benchmarks.ceiling import RawTcpPeer  # noqa: E402
 from kvpool.common.clock import Deadline  # noqa: E402
 from kvpool.common.grants import GrantOp, make_grant, new_secret  # noqa: E402
 from kvpool.transfer.base import Replica, TransferRequest  # noqa: E402
@@ -33,6 +39,8 @@ from kvpool.transfer.tcp import SOCKET_BUFFER, TcpTransport  # noqa: E402
 
 SEGMENT_BYTES = 160 << 20
 BATCH_BYTES = 64 << 20
+SINGLE = 64 << 10
+LARGE = (1 << 20, 4 << 20)
 
 
 def serve(size: int, socket_buffer: int) -> None:
@@ -76,53 +84,34 @@ class Store:
 def start_store(size: int = SEGMENT_BYTES, socket_buffer: int = SOCKET_BUFFER) -> Store:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(size), "--sockbuf", str(socket_buffer)],
-                            stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
     return Store(proc, f"127.0.0.1:{info['port']}", info["segment_id"], bytes.fromhex(info["secret"]))
 
 
-def _requests(store: Store, op: GrantOp, buffers: list[memoryview], size: int) -> list[TransferRequest]:
-    return [TransferRequest(op, b"bench-%d" % i, store.replica(op, b"bench-%d" % i, i * size, size), buf)
+def _requests(store: Store, op: GrantOp, buffers: list[memoryview], size: int,
+              base: int = 0) -> list[TransferRequest]:
+    return [TransferRequest(op, b"bench-%d" % (base + i),
+                            store.replica(op, b"bench-%d" % (base + i), (base + i) * size, size), buf)
             for i, buf in enumerate(buffers)]
 
 
-def _run_for(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> float:
+def _batch_gbps(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> float:
     """GB/s of repeating one batch for about ``seconds``."""
     nbytes = sum(r.replica.length for r in reqs)
-    codes = transport.transfer(reqs, Deadline(30))  # warm-up: connections, window growth
-    assert all(c == 0 for c in codes), codes
     rounds = 0
     start = time.perf_counter()
     while True:
         codes = transport.transfer(reqs, Deadline(30))
-        assert all(c == 0 for c in codes), codes
+        assert not any(codes), codes
         rounds += 1
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return rounds * nbytes / elapsed / 1e9
 
 
-def batched(store: Store, transport: TcpTransport, size: int, seconds: float) -> dict[str, float]:
-    count = BATCH_BYTES // size
-    src = np.random.default_rng(0).integers(0, 256, size * count, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    srcs = [memoryview(src[i * size:(i + 1) * size].data) for i in range(count)]
-    dsts = [memoryview(dst[i * size:(i + 1) * size].data) for i in range(count)]
-    put = _run_for(transport, _requests(store, GrantOp.WRITE, srcs, size), seconds)
-    get = _run_for(transport, _requests(store, GrantOp.READ, dsts, size), seconds)
-    assert np.array_equal(src, dst), "bytes differ"
-    return {"put_gbps": put, "get_gbps": get, "batch": count}
-
-
-def single_get(store: Store, transport: TcpTransport, size: int, seconds: float) -> dict[str, float]:
-    src = memoryview(os.urandom(size))
-    dst = memoryview(bytearray(size))
-    assert transport.transfer(_requests(store, GrantOp.WRITE, [src], size), Deadline(5)) == [0]
-    reqs = _requests(store, GrantOp.READ, [dst], size)
-    for _ in range(50):
-        transport.transfer(reqs, Deadline(5))
+def _latencies(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> list[float]:
     lat: list[float] = []
     end = time.perf_counter() + seconds
     while True:
@@ -132,63 +121,118 @@ def single_get(store: Store, transport: TcpTransport, size: int, seconds: float)
         assert codes == [0], codes
         lat.append(t1 - t0)
         if t1 >= end:
-            break
-    assert dst == src
-    lat.sort()
-    p50 = lat[len(lat) // 2]
-    return {"p50_us": p50 * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6, "gbps_at_p50": size / p50 / 1e9}
+            return lat
 
 
-def run(seconds: float, connections: int, stripe: int, window: int,
+class Workload:
+    """Preallocated sources/destinations and signed requests for every measured case."""
+
+    def __init__(self, store: Store, transport: TcpTransport) -> None:
+        rng = np.random.default_rng(0)
+        self.src: dict[int, np.ndarray] = {}
+        self.dst: dict[int, np.ndarray] = {}
+        self.puts: dict[int, list[TransferRequest]] = {}
+        self.gets: dict[int, list[TransferRequest]] = {}
+        for size in LARGE:
+            count = BATCH_BYTES // size
+            self.src[size] = rng.integers(0, 256, size * count, dtype=np.uint8)
+            self.dst[size] = np.zeros(size * count, dtype=np.uint8)
+            srcs = [memoryview(self.src[size][i * size:(i + 1) * size].data) for i in range(count)]
+            dsts = [memoryview(self.dst[size][i * size:(i + 1) * size].data) for i in range(count)]
+            self.puts[size] = _requests(store, GrantOp.WRITE, srcs, size)
+            self.gets[size] = _requests(store, GrantOp.READ, dsts, size)
+        self.single_src = memoryview(os.urandom(SINGLE))
+        self.single_dst = memoryview(bytearray(SINGLE))
+        slot = SEGMENT_BYTES // SINGLE - 1  # past the batches
+        self.single_put = _requests(store, GrantOp.WRITE, [self.single_src], SINGLE, slot)
+        self.single_get = _requests(store, GrantOp.READ, [self.single_dst], SINGLE, slot)
+        for reqs in (*self.puts.values(), self.single_put):  # warm up: connections, pages, TCP windows
+            assert not any(transport.transfer(reqs, Deadline(30)))
+        for reqs in (*self.gets.values(), self.single_get):
+            assert not any(transport.transfer(reqs, Deadline(30)))
+
+    def verify(self) -> None:
+        for size in LARGE:
+            assert np.array_equal(self.src[size], self.dst[size]), f"{size}-byte values differ"
+        assert self.single_src == self.single_dst, "64 KiB value differs"
+
+
+def run(rounds: int, slice_s: float, connections: int, stripe: int, window: int,
         socket_buffer: int = SOCKET_BUFFER, inflight: int = 2 << 20) -> dict[str, Any]:
     store = start_store(socket_buffer=socket_buffer)
     transport = TcpTransport(connections_per_endpoint=connections, stripe_bytes=stripe, window=window,
                              socket_buffer=socket_buffer, inflight_bytes=inflight)
+    peer = RawTcpPeer()
+    samples: dict[str, list[float]] = defaultdict(list)
+    single: list[float] = []
     try:
-        result: dict[str, Any] = {"config": {"connections": connections, "stripe_bytes": stripe,
-                                             "window": window, "socket_buffer": socket_buffer,
-                                             "inflight_bytes": inflight}}
-        for size in (1 << 20, 4 << 20):
-            result[f"batch_{size >> 20}MiB"] = batched(store, transport, size, seconds)
-        result["single_64KiB_get"] = single_get(store, transport, 64 << 10, seconds)
+        work = Workload(store, transport)
+        for _ in range(rounds):
+            ceiling = {size: peer.measure(size, slice_s) for size in (SINGLE, *LARGE)}
+            for size in (SINGLE, *LARGE):
+                samples[f"ceiling_{size}_gbps"].append(ceiling[size].gbps)
+                samples[f"ceiling_{size}_p50_us"].append(ceiling[size].p50_us)
+            for size in LARGE:
+                for op, reqs in (("put", work.puts[size]), ("get", work.gets[size])):
+                    gbps = _batch_gbps(transport, reqs, slice_s)
+                    samples[f"{op}_{size}_gbps"].append(gbps)
+                    samples[f"{op}_{size}_ratio"].append(gbps / ceiling[size].gbps)
+            lat = sorted(_latencies(transport, work.single_get, slice_s))
+            single += lat
+            p50 = lat[len(lat) // 2]
+            samples["single_p50_us"].append(p50 * 1e6)
+            samples["single_ratio"].append(SINGLE / p50 / 1e9 / ceiling[SINGLE].gbps)
+        work.verify()
     finally:
+        peer.close()
         transport.close()
         store.close()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    single.sort()
+    p50_all = single[len(single) // 2]
+    result: dict[str, Any] = {
+        "config": {"connections": connections, "stripe_bytes": stripe, "window": window,
+                   "socket_buffer": socket_buffer, "inflight_bytes": inflight, "rounds": rounds,
+                   "slice_s": slice_s},
+        "ceiling": {f"{s >> 10}KiB": {"gbps": med[f"ceiling_{s}_gbps"],
+                                      "p50_us": med[f"ceiling_{s}_p50_us"]} for s in (SINGLE, *LARGE)},
+        "single_64KiB_get": {"p50_us": p50_all * 1e6, "p99_us": single[int(len(single) * 0.99)] * 1e6,
+                             "gbps_at_p50": SINGLE / p50_all / 1e9,
+                             "ratio_to_raw_64KiB": med["single_ratio"]},
+    }
+    for size in LARGE:
+        result[f"batch_{size >> 20}MiB"] = {
+            "batch": BATCH_BYTES // size,
+            **{f"{op}_{what}": med[f"{op}_{size}_{what}"]
+               for op in ("put", "get") for what in ("gbps", "ratio")},
+            **{f"{op}_ratio_min": min(samples[f"{op}_{size}_ratio"]) for op in ("put", "get")}}
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="kvpool TCP data-path quick benchmark")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved ceiling/transport rounds")
+    parser.add_argument("--slice", type=float, default=0.5, help="seconds per measurement slice")
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--stripe", type=int, default=1 << 20)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--sockbuf", type=int, default=SOCKET_BUFFER)
     parser.add_argument("--inflight", type=int, default=2 << 20)
-    parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.sockbuf)
         return 0
-    result = run(args.seconds, args.connections, args.stripe, args.window, args.sockbuf, args.inflight)
-    if not args.no_ceiling:
-        ceilings = {size: measure_tcp(size, args.seconds) for size in (64 << 10, 1 << 20, 4 << 20)}
-        result["ceiling"] = {f"{s >> 10}KiB": {"gbps": c.gbps, "p50_us": c.p50_us}
-                             for s, c in ceilings.items()}
-        for size in (1 << 20, 4 << 20):
-            b = result[f"batch_{size >> 20}MiB"]
-            b["put_ratio"] = b["put_gbps"] / ceilings[size].gbps
-            b["get_ratio"] = b["get_gbps"] / ceilings[size].gbps
-        single = result["single_64KiB_get"]
-        single["ratio_to_raw_64KiB"] = single["gbps_at_p50"] / ceilings[64 << 10].gbps
+    result = run(args.rounds, args.slice, args.connections, args.stripe, args.window, args.sockbuf,
+                 args.inflight)
     if args.json:
         print(json.dumps(result, default=lambda x: round(x, 3) if isinstance(x, float) else x))
-    else:
-        for name, value in result.items():
+        return 0
+    for name, value in result.items():
+        if isinstance(value, dict):
             print(f"{name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in value.items()) if isinstance(value, dict) else value)
+                                          for k, v in value.items()))
     return 0
 
 

@@ -90,7 +90,7 @@ class KvpoolBackend(Backend):
         from kvpool.client.config import ClientConfig
 
         client = pool_client.PoolClient(config=ClientConfig(master=self.master, use_shm=True))
-        kinds = [type(t).__name__ for t in getattr(client._transports, "_transports", [])]
+        kinds = _transport_kinds(client)
         if not any("shm" in k.lower() for k in kinds):
             client.close()
             self._shm_missing = f"use_shm=True gave no shared-memory transport (transports: {kinds})"
@@ -120,6 +120,16 @@ class KvpoolBackend(Backend):
         if self._shm is not None:
             self._shm.close()
         self.client.close()
+
+
+def _transport_kinds(client: Any) -> list[str]:
+    """Class names of the client's transports (whatever the TransportSet calls its list)."""
+    holder = getattr(client, "_transports", None)
+    kinds = []
+    for value in vars(holder).values() if holder is not None and hasattr(holder, "__dict__") else ():
+        if isinstance(value, (list, tuple)):
+            kinds += [type(t).__name__ for t in value]
+    return kinds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,10 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float, what: st
     raise RuntimeError(f"{what} not listening on 127.0.0.1:{port} after {timeout:.0f} s")
 
 
+class WorkerGone(RuntimeError):
+    """The process exited or stopped answering: nothing more can be asked of it."""
+
+
 class Proc:
     """A child in its own session (process group): stopping it stops everything it started."""
 
@@ -114,11 +118,13 @@ class Proc:
             while b"\n" not in self._buf:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{self.name}: no answer within {timeout:.0f} s (log {self.log_path})")
+                    raise WorkerGone(f"{self.name}: no answer within {timeout:.0f} s (log {self.log_path})")
                 if sel.select(min(left, 1.0)):
                     chunk = os.read(fd, 1 << 16)
                     if not chunk:
-                        raise RuntimeError(f"{self.name} exited ({self.proc.poll()}):\n{self.tail()}")
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            self.proc.wait(2)
+                        raise WorkerGone(f"{self.name} exited ({self.proc.poll()}):\n{self.tail()}")
                     self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line.decode()
@@ -382,7 +388,8 @@ def acceptance(rows: list[dict[str, Any]], ceiling: dict[int, float | None],
 
     def line(kv: float | None, ref: float | None, need: float, ref_name: str, **extra: Any) -> dict[str, Any]:
         r = _ratio(kv, ref)
-        return {"pass": bool(r is not None and r >= need), "kvpool": kv, ref_name: ref, "ratio": r,
+        ok = kv is not None and ref is not None and ref > 0 and kv / ref >= need   # unrounded
+        return {"pass": ok, "kvpool": kv, ref_name: ref, "ratio": r,
                 "required_ratio": need, **extra}
 
     out: dict[str, dict[str, Any]] = {}
@@ -444,7 +451,7 @@ def _fmt(v: float | None, op: str) -> str:
 
 def human(doc: dict[str, Any]) -> str:
     lines = [f"kvpool vs peers, {doc['date']} on {doc['machine']['summary']}; "
-             f"medians of {doc['runs']} run(s)",
+             f"medians of {doc['runs']} run(s); kvpool {doc.get('kvpool_revision', '?')}",
              f"load average during the run (1 min, per round): {doc['load_average']}",
              "TCP ceiling (raw loopback, Python): " + ", ".join(
                  f"{_size(int(s))} {v:.2f} GB/s" for s, v in doc["ceiling_tcp_gbps_by_size"].items()
@@ -473,12 +480,27 @@ def human(doc: dict[str, Any]) -> str:
     lines += ["", "acceptance:"]
     for name, entry in doc["acceptance"].items():
         ref = next(v for k, v in entry.items() if k.endswith(("_gbps", "_ops_per_s")))
-        lines.append(f"  {'PASS' if entry['pass'] else 'FAIL'}  {name:<34} kvpool {entry['kvpool']} vs {ref} "
-                     f"-> {entry['ratio']}x (need {entry['required_ratio']}x)"
+        ratio = "-" if entry["ratio"] is None else f"{entry['ratio']}x"
+        verdict = "PASS" if entry["pass"] else "FAIL"
+        lines.append(f"  {verdict}  {name:<34} kvpool {entry['kvpool'] or '-'} vs "
+                     f"{ref or '-'} -> {ratio} (need {entry['required_ratio']}x)"
                      + (f"  [{entry['missing']}]" if entry.get("missing") else ""))
     if doc.get("errors"):
         lines += ["", "errors:"] + [f"  {k}: {v}" for k, v in doc["errors"].items()]
     return "\n".join(lines)
+
+
+def kvpool_revision() -> str:
+    """The commit of the kvpool checkout measured, "+dirty" when src/ differs from it (read-only git)."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, env=env, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "src"],
+                               capture_output=True, timeout=10, env=env).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def machine() -> dict[str, Any]:
@@ -597,10 +619,12 @@ def main(argv: list[str] | None = None) -> int:
         workloads = _workloads()
         for run in range(runs):
             loads.append(os.getloadavg()[0])
-            log(f"run {run + 1}/{runs}: ceilings (load average {loads[-1]:.2f})")
-            for size in SIZES:
-                ceilings[size].append(tcp_ceiling(size, seconds))
+            log(f"run {run + 1}/{runs} (load average {loads[-1]:.2f})")
+            # The 64 KiB ceiling and memcpy are measured here; the 1 MiB and 4 MiB ceilings, which the
+            # acceptance lines divide by, take turns with the systems in the batched workloads of that size.
+            ceilings[64 * KiB].append(tcp_ceiling(64 * KiB, seconds))
             memcpys.append(memcpy(64 * MiB))
+            turns: dict[int, list[float]] = {MiB: [], 4 * MiB: []}
             for w, (op, size, batch) in enumerate(workloads):
                 # alternate: every workload starts with the next system, every round shifts again
                 order = [systems[(run + w + i) % len(systems)] for i in range(len(systems))]
@@ -608,12 +632,19 @@ def main(argv: list[str] | None = None) -> int:
                 # ... and within the workload the systems take turns in `slices` slices, so that a change
                 # of background load hits them alike
                 parts: dict[str, list[dict[str, Any]]] = {s.name: [] for s in order}
+                with_ceiling = op in ("put", "get") and batch > 1 and size in turns
                 for _ in range(slices):
+                    if with_ceiling:
+                        value = tcp_ceiling(size, seconds / slices)
+                        if value is not None:
+                            turns[size].append(value)
                     for system in order:
                         key = (system.name, op, size, batch)
                         if key in missing:
                             continue
-                        assert system.client is not None
+                        if system.client is None:   # stopped after its client went away
+                            missing[key] = f"{system.name} stopped after an earlier failure"
+                            continue
                         spec = {"cmd": "run", "op": op, "size": size, "batch": batch,
                                 "seconds": seconds / slices, "min_calls": 1, "window_bytes": dataset,
                                 "raw": True}
@@ -623,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                             missing[key] = f"{type(exc).__name__}: {exc}"
                             errors[f"{system.name} {_label(op, size, batch)}"] = missing[key]
                             failed = True
+                            if isinstance(exc, WorkerGone):   # hung or dead: stop it, skip its workloads
+                                log(f"{system.name}: {exc}; stopping it")
+                                system.stop(fast=True)
                             continue
                         if parts[system.name][-1].get("missing"):
                             missing[key] = parts[system.name][-1]["missing"]
@@ -635,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"  {system.name:<8} {_label(op, size, batch):<24} "
                         f"{_fmt(_metric({'op': op, **res}), op):>10}  p50 {res['p50_us']:.0f} us"
                         + (f"  ERRORS {res['errors']}" if res.get("errors") else ""))
+            for size, values in turns.items():
+                ceilings[size].append(statistics.mean(values) if values else tcp_ceiling(size, seconds))
+                log(f"  tcp ceiling {_size(size)} (interleaved): {ceilings[size][-1] or 0:.2f} GB/s")
     except KeyboardInterrupt as exc:
         log(f"interrupted ({exc or 'Ctrl-C'}); stopping everything")
         failed = interrupted = True
@@ -672,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
+        "kvpool_revision": kvpool_revision(),
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
     if args.save:

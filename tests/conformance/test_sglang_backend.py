@@ -122,7 +122,7 @@ def make_backend(sgl: SimpleNamespace, master: str, model: str = "org/model-a", 
                         is_page_first_layout=True, model_name=model,
                         extra_config={"backend_name": "kvpool", "module_path": MODULE,
                                       "class_name": "KvPoolHiCacheStorage", "interface_v1": 1,
-                                      "master": master, "timeout_s": 5, **extra})
+                                      "master": master, "timeout_s": 5, "lookup_timeout_s": 2, **extra})
     return sgl.Factory.create_backend("dynamic", config, None)
 
 

@@ -44,6 +44,8 @@ def pool(cluster: LocalCluster) -> Iterator[PoolClient]:
 
 
 def engine_for(pool: PoolClient, model: str, **kwargs: object) -> EngineClient:
+    # A generous lookup deadline: CI machines are loaded, and a dead master is refused at once anyway.
+    kwargs.setdefault("lookup_timeout_s", 2.0)
     return EngineClient(pool, Namespace(model=model), page_size=PAGE_TOKENS, page_bytes=OBJ,
                         **kwargs)  # type: ignore[arg-type]
 
@@ -55,8 +57,12 @@ def prompt(n_pages: int, seed: int) -> list[int]:
 def seed_pages(engine: EngineClient, keys: list[str]) -> list[bytes]:
     """Write the pages through the engine's own write-back; returns the object values in order."""
     values = [os.urandom(OBJ) for _ in range(len(keys) * engine.objects_per_page)]
+    done_before = engine.metrics()["writeback_done"]
     assert engine.write_back(keys, values)
     assert engine.flush(timeout=20)
+    metrics = engine.metrics()
+    assert metrics["writeback_done"] == done_before + 1, metrics
+    assert engine.prefix_length(keys, timeout=5) == len(keys), engine.metrics()
     return values
 
 
@@ -323,7 +329,7 @@ def test_degraded_mode_with_a_killed_master_and_recovery(tmp_path: Path) -> None
         with client(cluster.master) as pool, engine_for(pool, "degraded") as engine:
             keys = engine.page_keys(prompt(8, seed=7))
             values = seed_pages(engine, keys)
-            assert engine.prefix_length(keys) == 8
+            assert engine.prefix_length(keys) == 8, engine.metrics()
 
             master = cluster.masters[0]
             cluster.kill(master)
@@ -359,7 +365,8 @@ def test_a_dead_store_fails_reads_fast_and_the_negative_cache_stops_repeats(tmp_
             keys = engine.page_keys(prompt(4, seed=8))
             seed_pages(engine, keys)
             cluster.kill(cluster.stores[0])
-            assert pool.prefix_length(engine.object_keys(keys)) == 8  # the index still says "hit"
+            # the index still says "hit"
+            assert pool.prefix_length(engine.object_keys(keys)) == 8, pool.metrics()
             start = time.monotonic()
             handle = engine.prefetch(keys, sentinel_buffers(8), deadline_s=2, policy="wait_complete")
             assert handle.wait(timeout=5) == 0

@@ -182,6 +182,19 @@ def test_256_objects_on_one_connection_with_a_small_window(store: Store, threads
         t.close()
 
 
+@pytest.mark.parametrize("buffer", [65536, 0])
+def test_small_socket_buffers_do_not_deadlock(tmp_path: Path, threads_settle: None, buffer: int) -> None:
+    """Tiny (or kernel-default) socket buffers on both sides: the pipeline must size itself to them."""
+    s = start_store(tmp_path, socket_buffer=buffer)
+    t = TcpTransport(connections_per_endpoint=2, stripe_bytes=256 << 10, window=64, socket_buffer=buffer,
+                     inflight_bytes=64 << 20)
+    try:
+        put_then_get(t, s, [100_000] * 64 + [3 << 20], deadline_s=30)
+    finally:
+        t.close()
+        s.stop()
+
+
 def test_reads_and_writes_mixed_in_one_batch(transport: TcpTransport, store: Store) -> None:
     first = random_bytes(300_000, 1)
     assert transport.transfer([store.request(GrantOp.WRITE, b"a", 0, memoryview(first))], Deadline(5)) == [0]

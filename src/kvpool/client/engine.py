@@ -51,6 +51,7 @@ Into = Sequence[Buffer] | tuple[Sequence[int], Sequence[int]]
 """Prefetch destinations: one buffer per object, or ``(ptrs, sizes)`` of raw host memory."""
 
 MiB = 1 << 20
+_MIN_CALL_S = 0.001  # a network call with less budget than this cannot succeed: it is not started
 
 # Read failures that say "this page cannot be read from where the index says it is" (stale entry, dead
 # store, corrupt copy): worth remembering. A TIMEOUT (our own deadline), an unreachable master or a lease
@@ -458,7 +459,10 @@ class EngineClient:
         if task.hit_pages is not None:
             return self._negative.truncate(task.hashes, min(task.hit_pages, len(task.hashes)))
         timeout = self._call_timeout(task.handle, cap=self.lookup_timeout_s)
-        return 0 if timeout <= 0 else self._lookup(task.hashes, timeout)
+        if timeout < _MIN_CALL_S:
+            task.handle._end(EndReason.DEADLINE)
+            return 0
+        return self._lookup(task.hashes, timeout)
 
     def _call_timeout(self, handle: PrefetchHandle, cap: float | None = None) -> float:
         """Deadline of the next network call of a prefetch: what is left of the policy's deadline, or
@@ -477,7 +481,7 @@ class EngineClient:
             if handle.done():
                 break
             timeout = self._call_timeout(handle)
-            if timeout <= 0:
+            if timeout < _MIN_CALL_S:  # too little left for a round trip: do not start one
                 handle._end(EndReason.DEADLINE)
                 break
             pages = min(chunk_pages, hit - first)
@@ -493,7 +497,7 @@ class EngineClient:
             delivered = handle._deliver(first, dests, staged, per_page, good)
             fetched += sum(sizes[:delivered * per_page])
             if good < pages:
-                handle._end(EndReason.FAILED)
+                handle._end(_failure_reason(handle))
             if handle.done():
                 break
         return fetched
@@ -685,3 +689,12 @@ def _leading_good_pages(codes: Sequence[int], sizes: Sequence[int], per_page: in
 
 def _unreadable(codes: Sequence[int]) -> bool:
     return any(c < 0 and c in _UNREADABLE for c in codes)
+
+
+def _failure_reason(handle: PrefetchHandle) -> EndReason:
+    """A read cut short at the prefetch's own deadline ended it by DEADLINE, not by a failure (the code
+    may be TIMEOUT or, when the deadline hit the master call, UNAVAILABLE)."""
+    end = handle._policy_deadline()
+    if end is not None and time.monotonic() >= end - _MIN_CALL_S:
+        return EndReason.DEADLINE
+    return EndReason.FAILED

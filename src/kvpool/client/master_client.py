@@ -30,6 +30,9 @@ R = TypeVar("R")
 
 # Master answers that mean "ask another master" rather than "this call failed".
 _REDIRECT_CODES = {ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP, ErrorCode.STALE_VIEW}
+# A call that timed out sooner than this says nothing about the master (its caller had almost no budget
+# left): it must not trip the breaker or drop the connection pool for every other caller.
+_MIN_BREAKER_WAIT_S = 0.05
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -169,6 +172,7 @@ class MasterClient:
             self._breaker.success()  # a new leader is published: try it now, not after the backoff
         _name, _req_type, resp_type = frames.RPC_METHODS[op]
         body = request.SerializeToString()
+        started = time.monotonic()
         for attempt in range(2):
             sock: socket.socket | None = None
             try:
@@ -183,6 +187,9 @@ class MasterClient:
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
                 if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
                     raise
+                timed_out = isinstance(exc, socket.timeout) or deadline.expired()
+                if timed_out and time.monotonic() - started < _MIN_BREAKER_WAIT_S:
+                    raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
                 self.invalidate()
                 if attempt == 0 and not deadline.expired():
                     continue  # a stale pooled connection (master restarted): one fresh try

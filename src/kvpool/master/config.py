@@ -44,6 +44,16 @@ class MasterConfig:
     max_batch: int = option(8192, "Most keys in one batch call.")
     token_file: str = option("", "File holding the cluster token (required on every call when set).",
                              env=envs.KVPOOL_TOKEN_FILE)
+    # SSD tier (docs/ssd-tier.md); these only matter once a store mounts an SSD tier.
+    ssd_high_watermark: float = option(0.95, "Start dropping least recently used SSD replicas when this "
+                                             "fraction of a store's SSD tier is used.")
+    ssd_eviction_target: float = option(0.90, "Drop SSD replicas down to this fraction of the SSD tier.")
+    promote_after_hits: int = option(2, "Copy an SSD-only object back to DRAM after this many reads "
+                                        "(0 = never promote).")
+    demote_max_pending: float = option(0.25, "Most DRAM (fraction of the pool) waiting to be demoted; past it "
+                                             "eviction drops instead of demoting.")
+    tier_task_timeout_s: float = option(30.0, "A demote/promote task not reported done after this long is "
+                                              "abandoned.", parse=parse_duration)
 
     def __post_init__(self) -> None:
         if not 0 < self.eviction_target <= self.eviction_high_watermark <= 1.0:
@@ -54,3 +64,7 @@ class MasterConfig:
             raise ValueError("default_replica_num must be >= 1")
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.store_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and store_ttl_s must be > 0")
+        if not 0 < self.ssd_eviction_target <= self.ssd_high_watermark <= 1.0:
+            raise ValueError("need 0 < ssd_eviction_target <= ssd_high_watermark <= 1")
+        if self.promote_after_hits < 0 or not 0 <= self.demote_max_pending <= 1 or self.tier_task_timeout_s <= 0:
+            raise ValueError("promote_after_hits >= 0, 0 <= demote_max_pending <= 1, tier_task_timeout_s > 0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool.master import state as st
 from kvpool.proto import master_pb2 as pb
@@ -12,6 +13,7 @@ def segment_spec(seg: pb.SegmentInfo, secret: bytes) -> st.SegmentSpec:
     return st.SegmentSpec(
         id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
         shm_path=seg.shm_path, secret=secret, rdma_desc=seg.rdma_desc, numa_node=seg.numa_node,
+        tier=seg.tier,
     )
 
 
@@ -34,12 +36,19 @@ def replica(r: st.ReplicaGrant) -> pb.ReplicaDescriptor:
     )
 
 
-def put_start_result(r: st.PutStartResult) -> pb.PutStartResult:
-    return pb.PutStartResult(code=int(r.code), replicas=[replica(x) for x in r.replicas])
+def fill_replicas(out: Any, replicas: Sequence[st.ReplicaGrant]) -> None:
+    """Append replica descriptors in place (``repeated.add``: no intermediate message to copy)."""
+    for r in replicas:
+        out.add(segment_id=r.segment_id, node=r.node, tcp_endpoint=r.tcp_endpoint, shm_path=r.shm_path,
+                offset=r.offset, length=r.length, expiry_ms=r.expiry_ms, mac=r.mac, tier=r.tier)
 
 
-def get_result(r: st.GetResult) -> pb.GetReplicasResult:
-    return pb.GetReplicasResult(
-        code=int(r.code), size=r.size, checksum=r.checksum, lease_expiry_ms=r.lease_expiry_ms,
-        replicas=[replica(x) for x in r.replicas],
-    )
+def fill_put_start_results(out: Any, results: Sequence[st.PutStartResult]) -> None:
+    for r in results:
+        fill_replicas(out.add(code=int(r.code)).replicas, r.replicas)
+
+
+def fill_get_results(out: Any, results: Sequence[st.GetResult]) -> None:
+    for r in results:
+        item = out.add(code=int(r.code), size=r.size, checksum=r.checksum, lease_expiry_ms=r.lease_expiry_ms)
+        fill_replicas(item.replicas, r.replicas)

@@ -55,6 +55,7 @@ class HaCoordinator:
         self._elector = LeaderElector(self.etcd, self.config.cluster, info, ttl_s=self.config.leader_ttl_s,
                                       on_elected=self._on_elected, on_deposed=self._on_deposed, name=self.id)
         self.server.role.elector = self._elector
+        self.server.handlers.drains.attach_intents(self.intents)  # drain jobs are durable intents
         self.server.reset_state()
         self._watch = LeaderWatch(self.etcd, self.config.cluster)
         await asyncio.get_running_loop().run_in_executor(None, self._register)
@@ -73,6 +74,8 @@ class HaCoordinator:
                  self.server.state.stats().objects)
         self.server.role.leader = ""
         threading.Thread(target=self._record_cluster_config, daemon=True).start()
+        # Unfinished drains carry on: their segments turn DRAINING as the stores re-mount.
+        threading.Thread(target=self.server.handlers.drains.resume, name="drain-resume", daemon=True).start()
 
     def _on_deposed(self) -> None:
         log.warning("lost the leadership: this master stops serving and forgets its index")

@@ -38,5 +38,10 @@ async def _serve(config: MasterConfig, ready_file: str) -> None:
 
 
 def serve(config: MasterConfig, ready_file: str = "") -> int:
-    asyncio.run(_serve(config, ready_file))
+    try:
+        import uvloop  # a faster event loop for the framed hot path, where installed
+    except ImportError:
+        asyncio.run(_serve(config, ready_file))
+    else:
+        uvloop.run(_serve(config, ready_file))
     return 0

@@ -72,6 +72,8 @@ class SegmentInfo:
     shm_path: str
     rdma_desc: bytes = b""
     numa_node: int = -1
+    tier: int = 0
+    """0 = DRAM (takes puts); 1 = the store's SSD tier (only the tier manager allocates there)."""
 
 
 class StoreEntry:
@@ -129,6 +131,7 @@ class Segment:
         "status",
         "readable",
         "removed",
+        "tier",
         "_mac_base",
     )
 
@@ -146,6 +149,7 @@ class Segment:
         self.store = store
         self.status = SegmentStatus.OK
         self.readable = True
+        self.tier = info.tier
         self.removed = False
         """Set (before its replicas are dropped) when the segment leaves the table; checked under shard
         locks by put_start's insert so that no replica on a removed segment is ever published."""
@@ -167,8 +171,11 @@ class Segment:
         self.readable = status in (SegmentStatus.OK, SegmentStatus.DRAINING)
 
     def note_freed(self, offset: int) -> None:
-        """Queue a free notification for the owning store (not for a segment that is already gone)."""
-        if not self.removed:
+        """Queue a free notification for the owning store (not for a segment that is already gone).
+
+        SSD-tier ranges are not notified here: their allocator queues a DELETE task in the store's tier
+        channel instead, in order with the writes into that range (master/tiering.py)."""
+        if not self.removed and not self.tier:
             self.store.note_freed(self.id, offset)
 
 
@@ -214,8 +221,10 @@ class SegmentTable:
         return self.stores.pop(store_id, None)
 
     def publish(self) -> None:
-        """Recompute the allocatable tuple after a mount, unmount or status change."""
-        self.allocatable = tuple(s for s in self.by_id.values() if s.status == SegmentStatus.OK)
+        """Recompute the allocatable tuple after a mount, unmount or status change. SSD-tier segments are
+        never allocatable for puts (and not part of the DRAM watermark)."""
+        self.allocatable = tuple(s for s in self.by_id.values()
+                                 if s.status == SegmentStatus.OK and not s.tier)
 
     def segments(self) -> list[Segment]:
         return list(self.by_id.values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +27,10 @@ from kvpool.common.auth import TokenChecker
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.httpserver import MetricsServer
 from kvpool.common.log import get_logger
-from kvpool.master import convert
+from kvpool.master import convert, tier_service
 from kvpool.master.config import MasterConfig
+from kvpool.master.drain import DrainController, DrainManager
+from kvpool.master.drain_service import DrainRpc
 from kvpool.master.state import MasterState
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -106,13 +109,19 @@ class MasterHandlers:
         self._latency = Histogram("kvpool_master_request_seconds", "Master request latency", ["op"],
                                   registry=self.registry,
                                   buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0))
+        self._children: dict[str, tuple[Any, Any]] = {}
         self.collector = _StateCollector(state, role)
         self.registry.register(self.collector)
         self._methods: dict[str, Callable[[Any], Any]] = {
             name: getattr(self, name) for name, _req, _resp in frames.RPC_METHODS.values()
         }
-        for name in ("MountSegment", "RemountSegment", "UnmountSegment", "Heartbeat", "SetSegmentStatus"):
+        for name in ("MountSegment", "RemountSegment", "UnmountSegment", "Heartbeat", "SetSegmentStatus",
+                     "TierTasks"):
             self._methods[name] = getattr(self, name)
+        # Drain, scale-in and rebalance (master/drain.py): store-to-store moves, pulled by the stores.
+        self.drains = DrainManager(state, serving=lambda: self.role.serving)
+        self.registry.register(self.drains.collector())
+        self._methods.update(DrainRpc(self.drains, self.status).methods())
 
     def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
         leader = self.role.leader if self.role.name != "leader" else self.endpoints.get("grpc", "")
@@ -133,8 +142,15 @@ class MasterHandlers:
             log.exception("%s failed", method)
             return response_type(status=self.status(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
-            self._requests.labels(method).inc()
-            self._latency.labels(method).observe(time.perf_counter() - started)
+            counter, histogram = self._metric_children(method)
+            counter.inc()
+            histogram.observe(time.perf_counter() - started)
+
+    def _metric_children(self, method: str) -> tuple[Any, Any]:
+        children = self._children.get(method)
+        if children is None:
+            children = self._children[method] = (self._requests.labels(method), self._latency.labels(method))
+        return children
 
     def _check_batch(self, keys: Any) -> None:
         if len(keys) > self.config.max_batch:
@@ -158,7 +174,7 @@ class MasterHandlers:
             capacity=s.capacity, used=s.used, hits=s.hits, misses=s.misses, evictions=s.evictions,
             evicted_bytes=s.evicted_bytes, puts=s.puts, reclaimed_puts=s.reclaimed_puts,
             role=self.role.name, leader=self.role.leader or self.endpoints.get("grpc", ""),
-            followers=self.role.followers,
+            followers=self.role.followers, extra=tier_service.stats_extra(self.state),
         )
 
     # --- membership ------------------------------------------------------------------------------
@@ -168,6 +184,8 @@ class MasterHandlers:
                                           convert.inventory(req.inventory), req.remount)
         log.info("segment %d of store %s (%s) mounted: %d objects adopted, %d rejected", req.segment.id,
                  req.segment.store_id, req.segment.node, result.adopted, result.rejected)
+        if result.code == ErrorCode.OK:
+            self.drains.on_mount(req.segment.id)  # a segment under a drain job is DRAINING at once
         return pb.MountSegmentResponse(status=self.status(result.code), adopted=result.adopted,
                                        rejected=result.rejected)
 
@@ -180,7 +198,11 @@ class MasterHandlers:
     def Heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:  # noqa: N802
         result = self.state.heartbeat(req.store_id, list(req.segment_ids), req.freed_ack)
         freed = [pb.FreedRange(segment_id=s, offset=o, seq=q) for s, o, q in result.freed]
-        return pb.HeartbeatResponse(status=self.status(result.code), freed=freed)
+        return pb.HeartbeatResponse(status=self.status(result.code), freed=freed,
+                                    moves_pending=self.drains.pending_for(req.store_id))
+
+    def TierTasks(self, req: pb.TierTasksRequest) -> pb.TierTasksResponse:  # noqa: N802
+        return tier_service.tier_tasks(self.state, req, self.status())
 
     def SetSegmentStatus(self, req: pb.SegmentStatusRequest) -> pb.BatchCodesResponse:  # noqa: N802
         codes = self.state.set_segment_status(list(req.segment_ids), int(req.status))
@@ -194,8 +216,9 @@ class MasterHandlers:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
         results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes),
                                        convert.put_options(req.config))
-        return pb.BatchPutStartResponse(status=self.status(),
-                                        results=[convert.put_start_result(r) for r in results])
+        response = pb.BatchPutStartResponse(status=self.status())
+        convert.fill_put_start_results(response.results, results)
+        return response
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest) -> pb.BatchCodesResponse:  # noqa: N802
         self._check_batch(req.keys)
@@ -212,7 +235,9 @@ class MasterHandlers:
     def BatchGetReplicas(self, req: pb.BatchGetReplicasRequest) -> pb.BatchGetReplicasResponse:  # noqa: N802
         self._check_batch(req.keys)
         results = self.state.get_replicas(list(req.keys), grant_lease=not req.no_lease)
-        return pb.BatchGetReplicasResponse(status=self.status(), results=[convert.get_result(r) for r in results])
+        response = pb.BatchGetReplicasResponse(status=self.status())
+        convert.fill_get_results(response.results, results)
+        return response
 
     def BatchExists(self, req: pb.BatchExistsRequest) -> pb.BatchExistsResponse:  # noqa: N802
         self._check_batch(req.keys)
@@ -239,7 +264,7 @@ def _segment_info(seg: Any) -> pb.SegmentInfo:
     return pb.SegmentInfo(
         id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
         shm_path=seg.shm_path, status=int(seg.status), numa_node=seg.numa_node, used=seg.used,  # type: ignore[arg-type]
-        objects=seg.objects,
+        objects=seg.objects, tier=seg.tier,
     )
 
 
@@ -274,6 +299,7 @@ class _StateCollector(Collector):
             used.add_metric([str(seg.id), seg.node], seg.used)
         yield cap
         yield used
+        yield from tier_service.metric_families(self.state)
 
 
 def _make_servicer(handlers: MasterHandlers) -> pb_grpc.MasterServiceServicer:
@@ -290,6 +316,96 @@ def _make_servicer(handlers: MasterHandlers) -> pb_grpc.MasterServiceServicer:
     return servicer
 
 
+class _FramedRpcProtocol(asyncio.Protocol):
+    """One framed-RPC connection, driven by callbacks (no coroutine per request: this is the hot path).
+
+    Requests on a connection are answered in order. When the peer stops reading our answers, we stop
+    reading its requests (``pause_writing`` -> ``pause_reading``), so a flooding client cannot grow the
+    master's memory. A malformed frame closes this connection only.
+    """
+
+    def __init__(self, handlers: MasterHandlers, auth: TokenChecker) -> None:
+        self._handlers = handlers
+        self._auth = auth
+        self._authed = not auth.required
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._peer: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        self._peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        consumed = 0
+        try:
+            while len(buf) - consumed >= frames.HEADER_SIZE:
+                head = frames.unpack_header(memoryview(buf)[consumed:consumed + frames.HEADER_SIZE])
+                if head.length > frames.MAX_RPC_PAYLOAD:
+                    raise KvPoolError(ErrorCode.BAD_FRAME, f"payload of {head.length} bytes")
+                end = consumed + frames.HEADER_SIZE + head.length
+                if len(buf) < end:
+                    break
+                payload = bytes(buf[consumed + frames.HEADER_SIZE:end])
+                consumed = end
+                if not self._answer(head, payload):
+                    self._close()
+                    return
+        except KvPoolError as exc:
+            log.warning("closing RPC connection from %s: %s", self._peer, exc)
+            self._close()
+            return
+        except Exception as exc:  # a malformed protobuf or a bug: close this connection only
+            log.warning("closing RPC connection from %s: %s: %s", self._peer, type(exc).__name__, exc)
+            self._close()
+            return
+        del buf[:consumed]
+
+    def _reply(self, head: frames.Header, body: bytes = b"", code: ErrorCode = ErrorCode.OK) -> None:
+        assert self._transport is not None
+        self._transport.write(frames.pack_header(head.op, head.req_id, len(body), int(code)) + body)
+
+    def _answer(self, head: frames.Header, payload: bytes) -> bool:
+        """Answer one request; False means: close the connection after the reply."""
+        if head.op == frames.Op.PING:
+            self._reply(head)
+            return True
+        if head.op == frames.Op.HELLO:
+            self._authed = self._auth.check(payload)
+            self._reply(head, code=ErrorCode.OK if self._authed else ErrorCode.AUTH_FAILED)
+            return self._authed
+        method = frames.RPC_METHODS.get(head.op)
+        if method is None:
+            self._reply(head, code=ErrorCode.UNKNOWN_OP)
+            return False
+        if not self._authed:
+            self._reply(head, code=ErrorCode.AUTH_FAILED)
+            return False
+        name, request_type, response_type = method
+        request = request_type.FromString(payload)  # type: ignore[attr-defined]
+        self._reply(head, self._handlers.dispatch(name, request, response_type).SerializeToString())
+        return True
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self._buffer.clear()
+
+
 class FramedRpcServer:
     """The lean hot path: the framed protocol carrying the same protobuf messages as gRPC."""
 
@@ -299,7 +415,8 @@ class FramedRpcServer:
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _FramedRpcProtocol(self._handlers, self._auth), host, port)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -307,49 +424,6 @@ class FramedRpcServer:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        authed = not self._auth.required
-        try:
-            while True:
-                head = frames.unpack_header(await reader.readexactly(frames.HEADER_SIZE))
-                if head.length > frames.MAX_RPC_PAYLOAD:
-                    raise KvPoolError(ErrorCode.BAD_FRAME, f"payload of {head.length} bytes")
-                payload = await reader.readexactly(head.length)
-                if head.op == frames.Op.PING:
-                    writer.write(frames.pack_header(head.op, head.req_id, 0))
-                    continue
-                if head.op == frames.Op.HELLO:
-                    authed = self._auth.check(payload)
-                    code = ErrorCode.OK if authed else ErrorCode.AUTH_FAILED
-                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(code)))
-                    if not authed:
-                        await writer.drain()
-                        return
-                    continue
-                method = frames.RPC_METHODS.get(head.op)
-                if method is None:
-                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(ErrorCode.UNKNOWN_OP)))
-                    await writer.drain()
-                    return
-                if not authed:
-                    writer.write(frames.pack_header(head.op, head.req_id, 0, int(ErrorCode.AUTH_FAILED)))
-                    await writer.drain()
-                    return
-                name, request_type, response_type = method
-                request = request_type.FromString(payload)  # type: ignore[attr-defined]
-                body = self._handlers.dispatch(name, request, response_type).SerializeToString()
-                writer.write(frames.pack_header(head.op, head.req_id, len(body)) + body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except KvPoolError as exc:
-            log.warning("closing RPC connection from %s: %s", peer, exc)
-        except Exception as exc:  # a malformed protobuf or a bug: close this connection only
-            log.warning("closing RPC connection from %s: %s: %s", peer, type(exc).__name__, exc)
-        finally:
-            writer.close()
 
 
 class Maintenance(threading.Thread):
@@ -372,6 +446,7 @@ class Maintenance(threading.Thread):
                 if state.needs_eviction():
                     report = state.evict()
                     log.debug("evicted %d objects (%d bytes)", report.objects, report.bytes)
+                state.tiers.maintain()  # SSD tier: overdue tasks, SSD watermark
                 now = time.monotonic()
                 if now >= next_slow:
                     next_slow = now + 1.0
@@ -399,6 +474,7 @@ class MasterServer:
         self._framed = FramedRpcServer(self.handlers, self._auth)
         self._metrics: MetricsServer | None = None
         self._maintenance = Maintenance(self.state, config, self.role)
+        self._drain_controller = DrainController(self.handlers.drains)
 
     async def start(self) -> None:
         advertise = self.config.advertise or self.config.host
@@ -418,6 +494,7 @@ class MasterServer:
                                           self._health).start()
             self.endpoints["metrics"] = f"{advertise}:{self._metrics.port}"
         self._maintenance.start()
+        self._drain_controller.start()
         log.info("master serving: grpc %s, rpc %s, metrics %s", self.endpoints["grpc"], self.endpoints["rpc"],
                  self.endpoints.get("metrics", "off"))
 
@@ -427,6 +504,7 @@ class MasterServer:
         self.handlers.state = self.state
         self.handlers.collector.state = self.state
         self._maintenance.state = self.state
+        self.handlers.drains.reset(self.state)  # drain jobs are reloaded from etcd by the next leadership
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         s = self.state.stats()
@@ -435,6 +513,7 @@ class MasterServer:
 
     async def stop(self) -> None:
         self._maintenance.stop()
+        self._drain_controller.stop()
         await self._framed.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)

@@ -51,6 +51,7 @@ from kvpool.master.objects import (
 from kvpool.master.placement import PlacementPolicy, make_placement
 from kvpool.master.segments import Segment, SegmentInfo, SegmentStatus, SegmentTable
 from kvpool.master.shards import Shard, ShardMap, StripedLocks, shard_index
+from kvpool.master.tiering import TierManager
 from kvpool.master.types import (
     EvictionReport,
     GetResult,
@@ -180,6 +181,8 @@ class MasterState:
         self._puts = 0
         self._reclaimed = 0
         self._sizes: dict[int, int] = {}
+        # SSD tier (master/tiering.py): inert until a store mounts a tier=1 segment.
+        self.tiers = TierManager(config, clock, self._shards, self._stripes, self._table, self._free_ranges)
 
     @property
     def config(self) -> MasterConfig:
@@ -206,7 +209,7 @@ class MasterState:
         if not self._valid_spec(spec):
             return MountResult(ErrorCode.INVALID_ARGUMENT)
         info = SegmentInfo(spec.id, spec.node, spec.store_id, spec.size, spec.tcp_endpoint, spec.shm_path,
-                           bytes(spec.rdma_desc), spec.numa_node)
+                           bytes(spec.rdma_desc), spec.numa_node, spec.tier)
         now = self._clock.monotonic()
         with self._membership:
             segment = self._table.get(spec.id)
@@ -221,9 +224,12 @@ class MasterState:
             store.last_seen = now
             if segment is None:
                 segment = self._table.add(info, bytes(spec.secret), store)
+                if segment.tier:
+                    self.tiers.attach(segment)
             adopted, rejected = self._adopt(segment, inventory, now)
             # Allocatable only now: a put racing the adoption must not take a range the inventory claims.
             self._table.publish()
+            self.tiers.refresh()
         if rejected:
             _log.warning("segment %d: adopted %d inventory entries, rejected %d", spec.id, adopted, rejected)
         return MountResult(ErrorCode.OK, adopted, rejected)
@@ -323,7 +329,7 @@ class MasterState:
         retry = [i for i in range(n) if results[i] is None and sizes[i] <= largest]
         if retry:
             need = sum(sizes[i] for i in retry)
-            self.evict(max(need, self._default_eviction_bytes()))
+            self.evict(max(need, self._default_eviction_bytes()), urgent=True)
             for i in retry:
                 results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
         return [r if r is not None else PutStartResult(ErrorCode.NO_SPACE) for r in results]
@@ -437,6 +443,8 @@ class MasterState:
         out: list[GetResult] = []
         append = out.append
         hits = 0
+        # Reads served only by SSD replicas count towards promotion (leased reads only).
+        ssd_hits: list[str] | None = [] if grant_lease and self.tiers.active else None
         for key in keys:
             try:
                 kb = key.encode()
@@ -479,17 +487,21 @@ class MasterState:
                 append(GetResult(code))
                 continue
             hits += 1
+            if ssd_hits is not None and all(seg.tier for seg, _ in live):
+                ssd_hits.append(key)
             expiry_ms = int(lease_until * 1000.0 + wall_offset_ms) if grant_lease else no_lease_expiry_ms
             if len(live) == 1:
                 seg, off = live[0]
                 descs: tuple[ReplicaGrant, ...] = (ReplicaGrant(
                     seg.id, seg.node, seg.tcp_endpoint, seg.shm_path, off, size, expiry_ms,
-                    seg.sign(_READ, off, size, expiry_ms, kb)),)
+                    seg.sign(_READ, off, size, expiry_ms, kb), seg.tier),)
             else:
                 descs = tuple(ReplicaGrant(
                     seg.id, seg.node, seg.tcp_endpoint, seg.shm_path, off, size, expiry_ms,
-                    seg.sign(_READ, off, size, expiry_ms, kb)) for seg, off in live)
+                    seg.sign(_READ, off, size, expiry_ms, kb), seg.tier) for seg, off in live)
             append(GetResult(_OK, size, checksum, expiry_ms, descs))
+        if ssd_hits:
+            self.tiers.note_hits(ssd_hits)
         if grant_lease:
             with self._stats_lock:
                 self._hits += hits
@@ -617,9 +629,10 @@ class MasterState:
     def needs_eviction(self) -> bool:
         """used / capacity over the allocatable (OK) segments is above eviction_high_watermark."""
         capacity, used = self._allocatable_usage()
+        used -= self.tiers.pending_bytes  # DRAM being demoted is as good as free
         return capacity > 0 and used > self._cfg.eviction_high_watermark * capacity
 
-    def evict(self, bytes_to_free: int | None = None) -> EvictionReport:
+    def evict(self, bytes_to_free: int | None = None, urgent: bool = False) -> EvictionReport:
         """Approximate-LRU eviction of at least ``bytes_to_free`` bytes (default: down to eviction_target).
 
         Phase 1 samples candidates (COMPLETE, lease expired, not hard-pinned, no replica in flight) shard by
@@ -628,12 +641,14 @@ class MasterState:
         Phase 2 asks the policy for victims, outside every lock. Phase 3 re-validates and frees each victim
         under its object stripe; one that was leased, touched, pinned or removed meanwhile is skipped.
         Soft-pinned objects are candidates only if allow_evict_soft_pinned (and the policy takes them last).
+        With an SSD tier, a victim may be demoted instead of dropped (master/tiering.py): it counts towards
+        the bytes freed but not as an eviction; ``urgent`` (a failed allocation) always frees at once.
         """
         started = time.perf_counter()
         with self._evict_lock:
             if bytes_to_free is None:
                 bytes_to_free = self._default_eviction_bytes()
-            objects = freed = scanned = 0
+            objects = freed = scanned = gone_bytes = 0
             keys: list[str] = []
             nshards = self._shards.num_shards
             for _ in range(MAX_EVICTION_ROUNDS):
@@ -651,11 +666,13 @@ class MasterState:
                     cand = by_key.get(key)
                     if cand is None:
                         continue  # a policy bug; never evict what was not offered
-                    got = self._evict_one(cand, now)
+                    got, gone = self._evict_one(cand, now, urgent)
                     if got:
-                        objects += 1
                         round_freed += got
-                        keys.append(key)
+                        if gone:
+                            objects += 1
+                            gone_bytes += got
+                            keys.append(key)
                     else:
                         skipped += 1
                 freed += round_freed
@@ -664,7 +681,7 @@ class MasterState:
             if objects:
                 with self._stats_lock:
                     self._evictions += objects
-                    self._evicted_bytes += freed
+                    self._evicted_bytes += gone_bytes
         return EvictionReport(objects, freed, scanned, time.perf_counter() - started, keys)
 
     # =================================================================== views
@@ -676,10 +693,12 @@ class MasterState:
         segments = self.segments()
         capacity, used = self._allocatable_usage()
         processing = self._shards.count_processing()
+        dram = [s for s in segments if not s.tier]
+        ssd = [s for s in segments if s.tier]
         return MasterStats(
             objects=self._shards.count_objects() - processing,
-            capacity=sum(s.size for s in segments),
-            used=sum(s.used for s in segments),
+            capacity=sum(s.size for s in dram),
+            used=sum(s.used for s in dram),
             hits=hits,
             misses=misses,
             evictions=evictions,
@@ -691,6 +710,8 @@ class MasterState:
             stores=len(self._table.stores),
             allocatable_capacity=capacity,
             allocatable_used=used,
+            ssd_capacity=sum(s.size for s in ssd),
+            ssd_used=sum(s.used for s in ssd),
         )
 
     def segments(self) -> list[SegmentReport]:
@@ -701,7 +722,7 @@ class MasterState:
             info = seg.info
             out.append(SegmentReport(info.id, info.node, info.store_id, info.size, info.tcp_endpoint,
                                      info.shm_path, info.rdma_desc, info.numa_node, seg.status, st.used,
-                                     st.allocations, st.largest_free))
+                                     st.allocations, st.largest_free, seg.tier))
         return out
 
     def validate(self) -> None:
@@ -734,7 +755,7 @@ class MasterState:
                 for sid in store.segment_ids:
                     if sid not in table.by_id:
                         raise AssertionError(f"store {store_id!r} lists segment {sid} that is not mounted")
-            allocatable = {s.id for s in table.by_id.values() if s.status == SegmentStatus.OK}
+            allocatable = {s.id for s in table.by_id.values() if s.status == SegmentStatus.OK and not s.tier}
             if {s.id for s in table.allocatable} != allocatable:
                 raise AssertionError("allocatable segment list is stale")
         with self._stats_lock:
@@ -970,6 +991,7 @@ class MasterState:
 
     def _default_eviction_bytes(self) -> int:
         capacity, used = self._allocatable_usage()
+        used -= self.tiers.pending_bytes
         return max(0, math.ceil(used - self._cfg.eviction_target * capacity))
 
     def _candidate_limit(self, need: int) -> int | None:
@@ -985,6 +1007,8 @@ class MasterState:
     def _collect_candidates(self, now: float, limit: int | None) -> tuple[list[Candidate], int]:
         """Phase 1: (candidates, shards scanned), from the rotating cursor on."""
         allow_soft = self._cfg.allow_evict_soft_pinned
+        tiers = self.tiers
+        ssd = tiers.ssd_ids
         shards = self._shards.shards
         nshards = len(shards)
         start = self._evict_cursor
@@ -1000,13 +1024,15 @@ class MasterState:
                         continue
                     extra = meta.extra
                     if extra is None:
-                        if not meta.flags & PRIMARY_COMPLETE:
+                        if not meta.flags & PRIMARY_COMPLETE or (ssd and meta.segment in ssd):
                             continue
                         count = 1
                     else:
                         if not meta.all_replicas_complete():
                             continue
-                        count = 1 + len(extra)
+                        count = tiers.dram_count(meta) if ssd else 1 + len(extra)
+                        if not count:
+                            continue
                     soft = meta.soft_pin_until > now
                     if soft and not allow_soft:
                         continue
@@ -1016,8 +1042,10 @@ class MasterState:
         self._evict_cursor = (start + scanned) % nshards
         return out, scanned
 
-    def _evict_one(self, cand: Candidate, now: float) -> int:
-        """Phase 3 for one victim: bytes freed, 0 if it no longer qualifies."""
+    def _evict_one(self, cand: Candidate, now: float, urgent: bool = False) -> tuple[int, bool]:
+        """Phase 3 for one victim: (bytes freed, 0 if it no longer qualifies; whether the object is gone)."""
+        if self.tiers.active:
+            return self.tiers.evict_one(cand, now, urgent)
 
         def still_victim(meta: ObjectMeta) -> bool:
             return (meta.flags & _EVICTABLE_MASK == COMPLETE
@@ -1027,7 +1055,7 @@ class MasterState:
                     and meta.all_replicas_complete())
 
         meta = self._drop_if(cand.key, still_victim)
-        return 0 if meta is None else meta.size * meta.replica_count()
+        return (0, False) if meta is None else (meta.size * meta.replica_count(), True)
 
     # =================================================================== internals: membership
 
@@ -1044,7 +1072,8 @@ class MasterState:
                     and 0 < spec.size <= MAX_OFFSET + 1
                     and isinstance(spec.secret, bytes | bytearray) and len(spec.secret) > 0
                     and isinstance(spec.tcp_endpoint, str) and isinstance(spec.shm_path, str)
-                    and isinstance(spec.rdma_desc, bytes | bytearray) and type(spec.numa_node) is int)
+                    and isinstance(spec.rdma_desc, bytes | bytearray) and type(spec.numa_node) is int
+                    and spec.tier in (0, 1) and type(spec.tier) is int)
         except AttributeError:
             return False
 
@@ -1056,6 +1085,7 @@ class MasterState:
             self._table.remove(seg.id)
             ids.add(seg.id)
         self._table.publish()
+        self.tiers.refresh()
         if not ids:
             return 0
         dropped = 0
@@ -1107,7 +1137,8 @@ class MasterState:
         cfg = self._cfg
         kb = _encode_key(item.key, cfg.max_key_bytes)
         offset, length, checksum = item.offset, item.length, item.checksum
-        if (not isinstance(kb, bytes) or item.tier != 0 or not _is_uint(offset) or not _is_uint(checksum)
+        if (not isinstance(kb, bytes) or item.tier != segment.tier or not _is_uint(offset)
+                or not _is_uint(checksum)
                 or type(length) is not int or not 0 < length <= cfg.max_object_bytes
                 or offset + length > segment.size):
             return False

@@ -41,6 +41,8 @@ class SegmentSpec:
     secret: bytes
     rdma_desc: bytes = b""
     numa_node: int = -1
+    tier: int = 0
+    """0 = a DRAM segment; 1 = the store's SSD tier (readable over TCP only, never allocatable for puts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class InventoryItem:
     length: int
     checksum: int
     tier: int = 0
-    """0 = the DRAM segment. Other tiers are not adopted by this version (counted as rejected)."""
+    """0 = a DRAM segment, 1 = an SSD tier; an entry is adopted only into a segment of its own tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,7 @@ class SegmentReport:
     objects: int
     """Replicas on this segment (complete or in flight)."""
     largest_free: int = 0
+    tier: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +177,6 @@ class MasterStats:
     allocatable_capacity: int = 0
     """Bytes of segments that take allocations (status OK): the watermark base."""
     allocatable_used: int = 0
+    ssd_capacity: int = 0
+    """Bytes of the mounted SSD tiers (not part of ``capacity``)."""
+    ssd_used: int = 0

@@ -13,10 +13,21 @@ class SegmentStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SEGMENT_OK: _ClassVar[SegmentStatus]
     SEGMENT_DRAINING: _ClassVar[SegmentStatus]
     SEGMENT_DRAINED: _ClassVar[SegmentStatus]
+
+class TierTaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_TASK_UNSPECIFIED: _ClassVar[TierTaskKind]
+    TIER_DEMOTE: _ClassVar[TierTaskKind]
+    TIER_PROMOTE: _ClassVar[TierTaskKind]
+    TIER_DELETE: _ClassVar[TierTaskKind]
 SEGMENT_STATUS_UNSPECIFIED: SegmentStatus
 SEGMENT_OK: SegmentStatus
 SEGMENT_DRAINING: SegmentStatus
 SEGMENT_DRAINED: SegmentStatus
+TIER_TASK_UNSPECIFIED: TierTaskKind
+TIER_DEMOTE: TierTaskKind
+TIER_PROMOTE: TierTaskKind
+TIER_DELETE: TierTaskKind
 
 class Status(_message.Message):
     __slots__ = ("code", "message", "view", "leader")
@@ -31,7 +42,7 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., view: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("id", "node", "store_id", "size", "tcp_endpoint", "shm_path", "rdma_desc", "status", "numa_node", "used", "objects")
+    __slots__ = ("id", "node", "store_id", "size", "tcp_endpoint", "shm_path", "rdma_desc", "status", "numa_node", "used", "objects", "tier")
     ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +54,7 @@ class SegmentInfo(_message.Message):
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     id: int
     node: str
     store_id: str
@@ -54,7 +66,8 @@ class SegmentInfo(_message.Message):
     numa_node: int
     used: int
     objects: int
-    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., store_id: _Optional[str] = ..., size: _Optional[int] = ..., tcp_endpoint: _Optional[str] = ..., shm_path: _Optional[str] = ..., rdma_desc: _Optional[bytes] = ..., status: _Optional[_Union[SegmentStatus, str]] = ..., numa_node: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+    tier: int
+    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., store_id: _Optional[str] = ..., size: _Optional[int] = ..., tcp_endpoint: _Optional[str] = ..., shm_path: _Optional[str] = ..., rdma_desc: _Optional[bytes] = ..., status: _Optional[_Union[SegmentStatus, str]] = ..., numa_node: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class InventoryEntry(_message.Message):
     __slots__ = ("key", "offset", "length", "checksum", "tier")
@@ -129,12 +142,14 @@ class FreedRange(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "freed")
+    __slots__ = ("status", "freed", "moves_pending")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
+    MOVES_PENDING_FIELD_NUMBER: _ClassVar[int]
     status: Status
     freed: _containers.RepeatedCompositeFieldContainer[FreedRange]
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., freed: _Optional[_Iterable[_Union[FreedRange, _Mapping]]] = ...) -> None: ...
+    moves_pending: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., freed: _Optional[_Iterable[_Union[FreedRange, _Mapping]]] = ..., moves_pending: _Optional[int] = ...) -> None: ...
 
 class PutConfig(_message.Message):
     __slots__ = ("replica_num", "hard_pin", "soft_pin_ttl_ms", "preferred_segments", "preferred_node", "writer_node")
@@ -392,3 +407,181 @@ class SegmentStatusRequest(_message.Message):
     node: str
     status: SegmentStatus
     def __init__(self, segment_ids: _Optional[_Iterable[int]] = ..., node: _Optional[str] = ..., status: _Optional[_Union[SegmentStatus, str]] = ...) -> None: ...
+
+class TierTask(_message.Message):
+    __slots__ = ("id", "kind", "key", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    kind: TierTaskKind
+    key: str
+    src_segment: int
+    src_offset: int
+    dst_segment: int
+    dst_offset: int
+    length: int
+    checksum: int
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[TierTaskKind, str]] = ..., key: _Optional[str] = ..., src_segment: _Optional[int] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[int] = ..., dst_offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class TierTaskResult(_message.Message):
+    __slots__ = ("id", "code")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ...) -> None: ...
+
+class TierTasksRequest(_message.Message):
+    __slots__ = ("store_id", "done", "max_tasks")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    done: _containers.RepeatedCompositeFieldContainer[TierTaskResult]
+    max_tasks: int
+    def __init__(self, store_id: _Optional[str] = ..., done: _Optional[_Iterable[_Union[TierTaskResult, _Mapping]]] = ..., max_tasks: _Optional[int] = ...) -> None: ...
+
+class TierTasksResponse(_message.Message):
+    __slots__ = ("status", "tasks", "pending")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    tasks: _containers.RepeatedCompositeFieldContainer[TierTask]
+    pending: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TierTask, _Mapping]]] = ..., pending: _Optional[int] = ...) -> None: ...
+
+class MoveTask(_message.Message):
+    __slots__ = ("task_id", "key", "size", "checksum", "source", "target")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    key: str
+    size: int
+    checksum: int
+    source: ReplicaDescriptor
+    target: ReplicaDescriptor
+    def __init__(self, task_id: _Optional[int] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., source: _Optional[_Union[ReplicaDescriptor, _Mapping]] = ..., target: _Optional[_Union[ReplicaDescriptor, _Mapping]] = ...) -> None: ...
+
+class MoveResult(_message.Message):
+    __slots__ = ("task_id", "code")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    code: int
+    def __init__(self, task_id: _Optional[int] = ..., code: _Optional[int] = ...) -> None: ...
+
+class SyncMovesRequest(_message.Message):
+    __slots__ = ("store_id", "results", "max_tasks")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    results: _containers.RepeatedCompositeFieldContainer[MoveResult]
+    max_tasks: int
+    def __init__(self, store_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[MoveResult, _Mapping]]] = ..., max_tasks: _Optional[int] = ...) -> None: ...
+
+class SyncMovesResponse(_message.Message):
+    __slots__ = ("status", "tasks", "pending")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    tasks: _containers.RepeatedCompositeFieldContainer[MoveTask]
+    pending: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[MoveTask, _Mapping]]] = ..., pending: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node", "remove")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    remove: bool
+    def __init__(self, node: _Optional[str] = ..., remove: _Optional[bool] = ...) -> None: ...
+
+class DrainStatusRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class DrainJobStatus(_message.Message):
+    __slots__ = ("node", "state", "objects_moved", "bytes_moved", "objects_remaining", "bytes_remaining", "in_flight", "seconds", "message", "segment_ids", "failures", "remove")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    BYTES_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    state: str
+    objects_moved: int
+    bytes_moved: int
+    objects_remaining: int
+    bytes_remaining: int
+    in_flight: int
+    seconds: float
+    message: str
+    segment_ids: _containers.RepeatedScalarFieldContainer[int]
+    failures: int
+    remove: bool
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., objects_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., objects_remaining: _Optional[int] = ..., bytes_remaining: _Optional[int] = ..., in_flight: _Optional[int] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., segment_ids: _Optional[_Iterable[int]] = ..., failures: _Optional[int] = ..., remove: _Optional[bool] = ...) -> None: ...
+
+class DrainStatusResponse(_message.Message):
+    __slots__ = ("status", "jobs")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    jobs: _containers.RepeatedCompositeFieldContainer[DrainJobStatus]
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[DrainJobStatus, _Mapping]]] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("max_moves", "tolerance")
+    MAX_MOVES_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    max_moves: int
+    tolerance: float
+    def __init__(self, max_moves: _Optional[int] = ..., tolerance: _Optional[float] = ...) -> None: ...
+
+class RebalanceStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RebalanceStatusResponse(_message.Message):
+    __slots__ = ("status", "state", "objects_moved", "bytes_moved", "in_flight", "spread", "seconds", "message", "planned")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    state: str
+    objects_moved: int
+    bytes_moved: int
+    in_flight: int
+    spread: float
+    seconds: float
+    message: str
+    planned: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., state: _Optional[str] = ..., objects_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., in_flight: _Optional[int] = ..., spread: _Optional[float] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., planned: _Optional[int] = ...) -> None: ...

@@ -109,6 +109,41 @@ class MasterServiceStub:
                 request_serializer=kvpool_dot_proto_dot_master__pb2.SegmentStatusRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_master__pb2.BatchCodesResponse.FromString,
                 _registered_method=True)
+        self.TierTasks = channel.unary_unary(
+                '/kvpool.v1.MasterService/TierTasks',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.TierTasksRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.TierTasksResponse.FromString,
+                _registered_method=True)
+        self.SyncMoves = channel.unary_unary(
+                '/kvpool.v1.MasterService/SyncMoves',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.SyncMovesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.SyncMovesResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvpool.v1.MasterService/Drain',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/kvpool.v1.MasterService/Undrain',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+                _registered_method=True)
+        self.DrainStatus = channel.unary_unary(
+                '/kvpool.v1.MasterService/DrainStatus',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.DrainStatusRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+                _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/kvpool.v1.MasterService/Rebalance',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
+                _registered_method=True)
+        self.RebalanceStatus = channel.unary_unary(
+                '/kvpool.v1.MasterService/RebalanceStatus',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServiceServicer:
@@ -204,6 +239,48 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TierTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncMoves(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RebalanceStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +358,41 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.SetSegmentStatus,
                     request_deserializer=kvpool_dot_proto_dot_master__pb2.SegmentStatusRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_master__pb2.BatchCodesResponse.SerializeToString,
+            ),
+            'TierTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierTasks,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.TierTasksRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.TierTasksResponse.SerializeToString,
+            ),
+            'SyncMoves': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncMoves,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.SyncMovesRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.SyncMovesResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.DrainRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.DrainRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.SerializeToString,
+            ),
+            'DrainStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainStatus,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.DrainStatusRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.SerializeToString,
+            ),
+            'RebalanceStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.RebalanceStatus,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +800,195 @@ class MasterService:
             '/kvpool.v1.MasterService/SetSegmentStatus',
             kvpool_dot_proto_dot_master__pb2.SegmentStatusRequest.SerializeToString,
             kvpool_dot_proto_dot_master__pb2.BatchCodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/TierTasks',
+            kvpool_dot_proto_dot_master__pb2.TierTasksRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.TierTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncMoves(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/SyncMoves',
+            kvpool_dot_proto_dot_master__pb2.SyncMovesRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.SyncMovesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/Drain',
+            kvpool_dot_proto_dot_master__pb2.DrainRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/Undrain',
+            kvpool_dot_proto_dot_master__pb2.DrainRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/DrainStatus',
+            kvpool_dot_proto_dot_master__pb2.DrainStatusRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.DrainStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/Rebalance',
+            kvpool_dot_proto_dot_master__pb2.RebalanceRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebalanceStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/RebalanceStatus',
+            kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,8 @@ from kvpool.common.log import get_logger
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op, TransferDesc
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
+from kvpool.store.ssd import SsdTier
+from kvpool.store.tiering import serve_tier_read
 from kvpool.transfer.tcp import FrameReader, send_all, set_io_timeout, tune_socket
 
 logger = get_logger(__name__)
@@ -125,6 +127,8 @@ class DataPlaneServer:
         self._segments: dict[int, ShmSegment] = dict(segments)
         self._secrets: dict[int, bytes] = dict(secrets)
         self._max_part = max((s.size for s in self._segments.values()), default=0)
+        self._tiers: dict[int, tuple[SsdTier, bytes]] = {}
+        """SSD-tier segments (READ only; the store itself writes them): id -> (tier, grant secret)."""
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._totals = DataPlaneStats()
@@ -182,6 +186,11 @@ class DataPlaneServer:
             self._segments = {**self._segments, segment.id: segment}
             self._secrets = {**self._secrets, segment.id: secret}
             self._max_part = max(s.size for s in self._segments.values())
+
+    def add_tier(self, segment_id: int, tier: SsdTier, secret: bytes) -> None:
+        """Serve READs of an SSD-tier segment (its bytes come from files: store/tiering.py)."""
+        with self._lock:
+            self._tiers = {**self._tiers, segment_id: (tier, secret)}
 
     def remove_segment(self, segment_id: int) -> None:
         """Stop serving a segment (requests in flight on it finish; new ones get SEGMENT_NOT_FOUND)."""
@@ -310,6 +319,14 @@ class DataPlaneServer:
             raise _Close(ErrorCode.BAD_FRAME,
                          f"READ payload of {length} bytes, key of {fields[_DESC_KEY_LEN]}", req_id, Op.READ)
         desc = _desc(GrantOp.READ, fields, bytes(raw[DESC.size:]))
+        tier = self._tiers.get(desc.grant.segment_id)
+        if tier is not None:  # an SSD-tier replica: sendfile from its file
+            code, sent = serve_tier_read(conn.sock, tier[0], tier[1], desc, req_id, self._clock.wall_ms())
+            if code != ErrorCode.OK:
+                conn.stats.error(code)
+                self._reply(conn, Op.READ, req_id, code)
+            conn.stats.bytes_read += sent
+            return
         code, seg = self._check(desc)
         if seg is None:
             conn.stats.error(code)
@@ -380,7 +397,8 @@ class DataPlaneServer:
             conn.stats.error(ErrorCode.INTERNAL)
             self._reply(conn, Op.STORE_INFO, req_id, ErrorCode.INTERNAL)
             return
-        send_all(conn.sock, HEADER.pack(MAGIC, Op.STORE_INFO, 0, 0, req_id, len(payload)), memoryview(payload))
+        header = HEADER.pack(MAGIC, Op.STORE_INFO, 0, 0, req_id, len(payload))
+        send_all(conn.sock, header, memoryview(payload))
 
     def _info(self) -> dict[str, Any]:
         if self._store_info is not None:

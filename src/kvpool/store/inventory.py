@@ -15,8 +15,8 @@ So the inventory must never describe bytes that are not that object's bytes:
 Memory for incomplete writes is bounded: a partial write is forgotten after ``partial_timeout_s`` without a
 new part, when it is overwritten, or when more than ``max_partials`` are pending (oldest first).
 
-Per segment, all *claims* (committed entries and partial writes) are kept non-overlapping in a list sorted
-by offset, so the claims a new write overlaps are found with one bisect.
+Per segment, all *claims* (committed entries and partial writes) are kept non-overlapping and sorted by
+offset, so the claims a new write overlaps are found with a bisect and a short walk back.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
@@ -80,33 +81,80 @@ class _Claim:
         return merged[0] == (0, self.length) if merged else self.length == 0
 
 
+class _SortedInts:
+    """A sorted multiset-free list of ints, kept in chunks so an insert or remove moves at most a chunk
+    (a flat list would memmove the whole tail: milliseconds per write once a segment holds ~1M objects)."""
+
+    _CHUNK = 512
+
+    def __init__(self) -> None:
+        self._chunks: list[list[int]] = []
+        self._maxes: list[int] = []  # last value of each chunk
+
+    def add(self, value: int) -> None:
+        if not self._chunks:
+            self._chunks.append([value])
+            self._maxes.append(value)
+            return
+        i = min(bisect.bisect_left(self._maxes, value), len(self._chunks) - 1)
+        chunk = self._chunks[i]
+        bisect.insort(chunk, value)
+        self._maxes[i] = chunk[-1]
+        if len(chunk) > 2 * self._CHUNK:
+            half = len(chunk) // 2
+            self._chunks[i:i + 1] = [chunk[:half], chunk[half:]]
+            self._maxes[i:i + 1] = [chunk[half - 1], chunk[-1]]
+
+    def remove(self, value: int) -> None:
+        i = bisect.bisect_left(self._maxes, value)
+        chunk = self._chunks[i]
+        del chunk[bisect.bisect_left(chunk, value)]
+        if chunk:
+            self._maxes[i] = chunk[-1]
+        else:
+            del self._chunks[i]
+            del self._maxes[i]
+
+    def below(self, bound: int) -> Iterator[int]:
+        """Values < ``bound``, largest first."""
+        i = bisect.bisect_left(self._maxes, bound)
+        if i < len(self._chunks):
+            chunk = self._chunks[i]
+            for j in range(bisect.bisect_left(chunk, bound) - 1, -1, -1):
+                yield chunk[j]
+        for k in range(min(i, len(self._chunks)) - 1, -1, -1):
+            yield from reversed(self._chunks[k])
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk in self._chunks:
+            yield from chunk
+
+
 class _SegmentClaims:
     """Non-overlapping claims of one segment, sorted by offset."""
 
     def __init__(self) -> None:
-        self.starts: list[int] = []
+        self.starts = _SortedInts()
         self.by_offset: dict[int, _Claim] = {}
         self.committed = 0
 
     def overlapping(self, offset: int, length: int) -> list[_Claim]:
         end = offset + max(length, 1)  # a zero-length object still owns its offset
-        i = bisect.bisect_left(self.starts, end)
         found: list[_Claim] = []
-        while i > 0:
-            claim = self.by_offset[self.starts[i - 1]]
+        for start in self.starts.below(end):
+            claim = self.by_offset[start]
             if max(claim.end, claim.offset + 1) <= offset:
                 break  # claims are disjoint and sorted, so every earlier one ends earlier too
             found.append(claim)
-            i -= 1
         return found
 
     def insert(self, claim: _Claim) -> None:
-        bisect.insort(self.starts, claim.offset)
+        self.starts.add(claim.offset)
         self.by_offset[claim.offset] = claim
 
     def remove(self, claim: _Claim) -> None:
         del self.by_offset[claim.offset]
-        del self.starts[bisect.bisect_left(self.starts, claim.offset)]
+        self.starts.remove(claim.offset)
         if claim.entry is not None:
             self.committed -= 1
 

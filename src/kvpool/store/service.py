@@ -32,7 +32,9 @@ from kvpool.proto import master_pb2_grpc as pb_grpc
 from kvpool.store.config import StoreConfig
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
+from kvpool.store.mover import Mover
 from kvpool.store.segment import ShmSegment
+from kvpool.store.tiering import StoreTier
 
 log = get_logger(__name__)
 
@@ -110,6 +112,10 @@ class StoreServer:
         self.inventory = Inventory()
         self.segment: ShmSegment | None = None
         self.dataplane: DataPlaneServer | None = None
+        self.tier: StoreTier | None = None
+        self.mover: Mover | None = None
+        """Runs the drain/rebalance copies the master hands this store (store/mover.py)."""
+        """The SSD tier (--ssd-dir), mounted as a second segment with tier=1 (docs/ssd-tier.md)."""
         self._secret = new_secret()
         self._link = MasterLink(config.master, config.cluster, config.token_file)
         self._freed_ack = 0
@@ -137,6 +143,9 @@ class StoreServer:
         self.dataplane = DataPlaneServer(cfg.host, cfg.port, {self.segment.id: self.segment},
                                          {self.segment.id: self._secret}, self.inventory,
                                          max_connections=cfg.max_connections, store_info=self.info)
+        if cfg.ssd_dir:
+            self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
+            self.dataplane.add_tier(self.tier.segment_id, self.tier.ssd, self.tier.secret)
         self.dataplane.start()
         if cfg.metrics_port >= 0:
             self._metrics = MetricsServer(cfg.host, cfg.metrics_port, self.registry, self._health).start()
@@ -168,6 +177,8 @@ class StoreServer:
     def mount(self, remount: bool) -> bool:
         """Mount (or re-mount with the inventory); False when the master is unreachable."""
         assert self.segment is not None
+        if self.mover is not None:
+            self.mover.fence()  # before the inventory snapshot: a copy planned by the old master is not kept
         entries = [pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
                    for e in self.inventory.entries(self.segment.id)]
         request = pb.MountSegmentRequest(segment=self._segment_info(), secret=self._secret,
@@ -181,6 +192,8 @@ class StoreServer:
         if code != ErrorCode.OK:
             log.warning("mount refused: %s %s", code.name, response.status.message)
             return False
+        if self.tier is not None and not self.tier.mount(self._link, self._segment_info(), remount):
+            return False  # the next heartbeat mounts both again
         self._mounted = True
         # A (re)mount starts a fresh free-notification stream on the master.
         self._freed_ack = 0
@@ -194,7 +207,8 @@ class StoreServer:
         if not self._mounted:
             self.mount(remount=len(self.inventory) > 0)
             return
-        request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=[self.segment.id],
+        segment_ids = [self.segment.id] + ([self.tier.segment_id] if self.tier is not None else [])
+        request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=segment_ids,
                                       freed_ack=self._freed_ack)
         try:
             response = self._link.call("Heartbeat", request, timeout=2.0)
@@ -210,10 +224,21 @@ class StoreServer:
         for freed in response.freed:
             self.inventory.drop(freed.segment_id, freed.offset)
             self._freed_ack = max(self._freed_ack, freed.seq)
+        if response.moves_pending and self.mover is not None:
+            self.mover.wake()
 
     def run(self) -> None:
         """Heartbeat until ``stop()``; then unmount and release the segment."""
         self.mount(remount=False)
+        if self.tier is not None and self.segment is not None:
+            # Its own link: SSD task polls never queue behind a heartbeat (or the reverse).
+            link = MasterLink(self.config.master, self.config.cluster, self.config.token_file)
+            self.tier.start_worker(link, self.store_id, self.segment, self.inventory)
+        if self.segment is not None:
+            # Drain/rebalance copies into this store; its own link, like the tier worker.
+            self.mover = Mover(MasterLink(self.config.master, self.config.cluster, self.config.token_file),
+                               self.store_id, self.segment, self._secret, self.inventory)
+            self.mover.start()
         while not self._stop.wait(self.config.heartbeat_interval_s):
             self.heartbeat()
         self.shutdown()
@@ -222,6 +247,13 @@ class StoreServer:
         self._stop.set()
 
     def shutdown(self, unmount: bool = True) -> None:
+        if self.mover is not None:
+            self.mover.stop()  # before the segment is unmapped: no copy is writing into it any more
+        if self.tier is not None:
+            if self.tier.worker is not None:
+                self.tier.worker.stop()
+            if unmount and self._mounted:
+                self.tier.unmount(self._link, self.store_id)
         if unmount and self._mounted and self.segment is not None:
             try:
                 self._link.call("UnmountSegment", pb.UnmountSegmentRequest(
@@ -234,6 +266,8 @@ class StoreServer:
             self._metrics.stop()
         if self.segment is not None:
             self.segment.close()
+        if self.tier is not None:
+            self.tier.close()  # after the data plane: no SSD read is in flight any more
         self._link.reset()
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
@@ -249,6 +283,10 @@ class _StoreCollector(Collector):
         store = self._store
         yield GaugeMetricFamily("kvpool_store_objects", "Objects in this store's inventory", value=len(store.inventory))
         yield GaugeMetricFamily("kvpool_store_mounted", "1 when mounted with a master", value=int(store._mounted))
+        if store.tier is not None:
+            for name, value in store.tier.metrics().items():
+                doc = f"SSD tier: {name.replace('_', ' ')}"
+                yield GaugeMetricFamily(f"kvpool_store_{name}", doc, value=value)
         if store.dataplane is None:
             return
         s = store.dataplane.statistics()

@@ -5,6 +5,11 @@
     kvpool-admin stats             the master's counters
     kvpool-admin leader            the serving master, its view and the followers
     kvpool-admin evict [--prefix P] [--force]   remove objects (all, or one namespace)
+    kvpool-admin drain NODE [--wait] [--timeout S]   move NODE's objects away (DRAINING -> DRAINED)
+    kvpool-admin undrain NODE      cancel a drain (or a scale-in's tombstone)
+    kvpool-admin scale-in NODE     drain, wait, unmount NODE's segments (the store may stop)
+    kvpool-admin rebalance [--max-moves N]   even out used fractions after a scale-out
+    kvpool-admin drain-status [NODE]          drain jobs and their progress
 
 The cluster is found from ``--master`` or ``KVPOOL_MASTER`` (``host:port`` or ``etcd://...``), like the
 client. Every command prints a table, or one JSON object with ``--json``. Exit codes: 0 ok, 1 the
@@ -26,6 +31,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.units import format_size
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
+from kvpool.tools import admin_ops
 
 _STATUS_NAMES = {pb.SEGMENT_OK: "OK", pb.SEGMENT_DRAINING: "DRAINING", pb.SEGMENT_DRAINED: "DRAINED"}
 
@@ -96,9 +102,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_leader(args: argparse.Namespace) -> int:
-    s = _stats(args)
-    view = s.status.view
-    doc = {"leader": s.leader, "view": view, "followers": list(s.followers)}
+    master = args.master or envs.KVPOOL_MASTER.get()
+    if master.startswith("etcd://"):
+        # Straight from etcd: works while no master serves (during a failover), unlike the stats RPC.
+        from kvpool.master.ha import leader_summary
+
+        doc = leader_summary(master.removeprefix("etcd://"), args.cluster)
+    else:
+        s = _stats(args)
+        doc = {"leader": s.leader, "view": s.status.view, "followers": list(s.followers)}
     _emit(args, doc, lambda d: f"leader {d['leader']} (view {d['view']})\n"
                                f"followers {', '.join(d['followers']) or '-'}")
     return 0
@@ -125,8 +137,9 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 }
 
 
-def _add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
-    """Options accepted before and after the command name (``kvpool-admin nodes --json`` both ways)."""
+def _add_common(parser: argparse.ArgumentParser, suppress: bool, call_timeout: bool = True) -> None:
+    """Options accepted before and after the command name (``kvpool-admin nodes --json`` both ways).
+    ``call_timeout=False``: the command's own ``--timeout`` is how long it waits (drain, scale-in, ...)."""
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
@@ -134,7 +147,8 @@ def _add_common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument("--cluster", default=default(envs.KVPOOL_CLUSTER.get()),
                         help="cluster name (etcd key prefix)")
     parser.add_argument("--token-file", default=default(""), help="cluster token file (default: KVPOOL_TOKEN_FILE)")
-    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds per call")
+    if call_timeout:
+        parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds per call")
     parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON object")
 
 
@@ -150,7 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prefix", default="", help="only keys starting with this")
             p.add_argument("--force", action="store_true", help="also remove leased and pinned objects")
         p.set_defaults(func=func)
+    for name, (op, help_text) in admin_ops.COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        _add_common(p, suppress=True, call_timeout=name not in admin_ops.WAITING)
+        admin_ops.add_arguments(name, p)
+        p.set_defaults(func=lambda a, _op=op: _op(a, _client))
     return parser
+
+
+_UNREACHABLE = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.ETCD_ERROR, ErrorCode.SEGMENT_NOT_FOUND,
+                          ErrorCode.JOB_NOT_FOUND, *admin_ops.TRANSIENT})
+"""Failures that mean "could not talk to the cluster" or "bad arguments" (no such node or job): exit 2.
+Every other failure is the operation's (exit 1)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KvPoolError as exc:
         print(f"kvpool-admin: {exc}", file=sys.stderr)
-        return 2
+        return 2 if exc.code in _UNREACHABLE else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from kvpool.tools.trace import (
@@ -276,9 +276,11 @@ class ReplayReport:
     private: HitStats
     oracle: HitStats
     seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What the pool factory adds (cluster layout, tier counters, more oracles); printed after the rest."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        return self.extra | {
             "pool_hit": self.pool.stats.block_hit_rate,
             "private_hit": self.private.block_hit_rate,
             "oracle_hit": self.oracle.block_hit_rate,
@@ -327,7 +329,12 @@ class ReplayReport:
             f"pool: {self.pool.blocks_written:,} blocks written ({self.block_bytes:,} B each), "
             f"{self.pool.put_errors:,} put errors, {self.pool.seconds:.2f} s; total {self.seconds:.2f} s",
         ]
+        lines += [f"{name}: {_show(value)}" for name, value in self.extra.items()]
         return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    return f"{value:.1%}" if isinstance(value, float) and 0.0 <= value <= 1.0 else str(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -381,10 +388,12 @@ def _default_pool(args: argparse.Namespace) -> AbstractContextManager[PoolLike]:
     return nullcontext(InMemoryLRUPool(capacity_blocks(args.capacity)))
 
 
-def run(args: argparse.Namespace, pool_factory: PoolFactory | None = None) -> int:
+def run(args: argparse.Namespace, pool_factory: PoolFactory | None = None,
+        report_extra: Callable[[], dict[str, Any]] | None = None) -> int:
     """Run the benchmark; returns the process exit status (0 ok, 2 bad trace or arguments).
 
     Without ``pool_factory`` the pool is ``InMemoryLRUPool`` (reported as ``pool_backend: in-memory``).
+    ``report_extra()``, called once the pool is closed, adds fields to the report (JSON and table).
     """
     started = time.perf_counter()
     err = sys.stderr
@@ -429,6 +438,7 @@ def run(args: argparse.Namespace, pool_factory: PoolFactory | None = None) -> in
         private=private,
         oracle=oracle,
         seconds=time.perf_counter() - started,
+        extra=report_extra() if report_extra is not None else {},
     )
     print(json.dumps(report.to_json()) if args.json else report.to_table())
     return 0

@@ -23,8 +23,11 @@ from kvpool.common.log import setup_logging
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvpool.tools.bench_transfer", "put/get GB/s against the raw loopback TCP ceiling"),
-    "trace": ("kvpool.tools.bench_trace", "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
+    "trace": ("kvpool.tools.bench_trace_pool",
+              "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
     "failover": ("kvpool.tools.bench_failover", "kill the leader master under load: recovery time and objects kept"),
+    "metadata": ("kvpool.tools.bench_metadata", "master hot path: exists/prefix/get-replicas rates, framed vs gRPC"),
+    "master-memory": ("kvpool.tools.bench_metadata:memory", "master RSS per object at N objects, lookup speed"),
 }
 
 
@@ -84,11 +87,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _bench_entry(name: str) -> tuple[Callable[[argparse.ArgumentParser], None],
+                                      Callable[[argparse.Namespace], int]]:
+    """(add_arguments, run) of a benchmark: "module" or "module:variant" (add_<variant>_arguments, run_<variant>)."""
     import importlib
 
-    module = importlib.import_module(BENCHES[args.bench][0])
-    return int(module.run(args))
+    module_name, _, variant = BENCHES[name][0].partition(":")
+    module = importlib.import_module(module_name)
+    if variant:
+        return getattr(module, f"add_{variant}_arguments"), getattr(module, f"run_{variant}")
+    return module.add_arguments, module.run
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return int(_bench_entry(args.bench)[1](args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,12 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module_name, help_text) in BENCHES.items():
-        import importlib
-
-        module = importlib.import_module(module_name)
+    for name, (_module, help_text) in BENCHES.items():
         bench_parser = bench_sub.add_parser(name, help=help_text)
-        module.add_arguments(bench_parser)
+        _bench_entry(name)[0](bench_parser)
         bench_parser.set_defaults(func=_cmd_bench)
 
     env = sub.add_parser("env", help="list the environment variables kvpool reads")

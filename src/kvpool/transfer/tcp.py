@@ -3,16 +3,25 @@
 Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncake-store.md §4):
 
 * **Lanes.** Each endpoint (a store's ``host:port``) gets up to ``connections_per_endpoint`` lanes; a lane
-  is one persistent connection driven by its own thread, with a queue of jobs. Lanes are created lazily and
-  each connects from its own thread, so connects to one endpoint run in parallel and a dead or slow peer
-  only stalls the lanes of that peer - there is no serial handshake and no shared queue to overflow.
+  is one persistent connection with its own thread and an unbounded queue of jobs. Lanes are created
+  lazily; each connects when it first has work, from the thread running that work, so connects run in
+  parallel and a dead or slow peer only stalls the lanes of that peer - no serial handshake, no shared
+  queue to overflow. A failed connect gives CONNECTION_FAILED to that peer's requests, and fails them fast
+  for ``reconnect_cooldown_s``; a broken connection is discarded and re-created on next use.
 * **Parts.** ``submit`` splits each object into parts (objects over ``stripe_bytes`` are striped in
   near-equal parts), and deals the parts to the endpoint's lanes, least-loaded first, so one large object
   is moved over all connections at once and many small ones are spread round-robin.
 * **Pipelining with a bounded window.** A lane sends up to ``window`` requests ahead and reads responses in
-  order. It never mixes directions in flight (it drains the window when the batch switches between READ and
-  WRITE), and the READ request bytes in flight stay far below the socket send buffer. So the lane never
-  blocks sending while the store is blocked sending to it: no deadlock on full socket buffers.
+  order. Deadlock on full socket buffers (we block sending requests while the store blocks sending us
+  responses we are not reading) is ruled out per connection, from the buffer sizes the kernel really
+  granted: the response bytes in flight fit in our receive buffer, and the request frames in flight fit
+  in our send buffer; READs and WRITEs are never in flight together on one connection. Payload bytes in
+  flight are also capped (``inflight_bytes``, 2 MiB): deeper pipelines only leave data cold in socket
+  buffers, which measured slower on loopback.
+* **Threads.** Lane threads move the bytes, so ``submit`` returns at once and an engine thread is never
+  blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
+  thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
+  job. That saves two thread handoffs, most of the cost of a single small get.
 * **Zero copy.** WRITE payloads go out with ``sendmsg([frame, memoryview])``; READ payloads are received with
   ``recv_into`` straight into the caller's memoryview. No intermediate bytes objects for payloads.
 * **Deadlines** are enforced by kernel socket timeouts (SO_RCVTIMEO / SO_SNDTIMEO on blocking sockets,
@@ -323,6 +332,8 @@ class _Lane:
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
         self._armed: float | None = None  # the io timeout last set on the socket
+        self._window = 1  # requests in flight, and their payload bytes: set per connection
+        self._max_inflight = 1
         self._req_id = 0
         self._closed = False
         self.load = 0  # bytes assigned and not yet moved (approximate; for dealing parts)
@@ -472,7 +483,20 @@ class _Lane:
                 raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
         self._reader = FrameReader(sock)
         self._armed = None
+        self._bound_window(sock)
         self._ep.connected()
+
+    def _bound_window(self, sock: socket.socket) -> None:
+        """Size the pipeline to this connection's real buffers (the kernel may grant less than asked).
+
+        Either bound alone rules out the deadlock of the module docstring: responses in flight fit in our
+        receive buffer (so the store never blocks sending), and request frames in flight fit in our send
+        buffer (so we never block sending). A frame of at most 614 bytes takes at most 4 KiB of buffer.
+        """
+        rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        self._max_inflight = max(1, min(self._t.inflight_bytes, rcvbuf // 2))
+        self._window = max(1, min(self._t.window, sndbuf // 4096))
 
     def _discard(self) -> None:
         with self._cond:
@@ -511,8 +535,8 @@ class _Lane:
         assert reader is not None
         at = job.batch.deadline.at
         parts = job.parts
-        window = self._t.window
-        max_bytes = self._t.inflight_bytes
+        window = self._window
+        max_bytes = self._max_inflight
         inflight: deque[tuple[int, _Part]] = deque()
         inflight_bytes = 0
         next_send = job.done
@@ -658,10 +682,7 @@ class TcpTransport(Transport):
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
                               "connections_per_endpoint, stripe_bytes and window must be >= 1")
-        # READ request frames in flight must fit in the socket send buffer with room to spare (see the
-        # module docstring); the kernel grants at least 2x what we ask, capped by net.core.wmem_max.
-        max_frame = _REQUEST.size + MAX_KEY_BYTES
-        self.window = max(1, min(window, (64 * 1024) // max_frame))
+        self.window = window
         # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
         # socket buffers (measured: a deeper pipeline is slower on loopback, as it leaves the CPU caches).
         self.inflight_bytes = inflight_bytes

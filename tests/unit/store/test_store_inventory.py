@@ -249,3 +249,21 @@ def test_entries_never_overlap_and_match_the_last_writes(writes: list[tuple[int,
         assert before.offset + before.length <= after.offset
     for entry in entries:
         assert all(owner[pos] == entry.checksum for pos in range(entry.offset, entry.offset + entry.length))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5000)), max_size=3000), st.integers(0, 5001))
+def test_chunked_sorted_offsets_match_a_sorted_list(ops: list[tuple[bool, int]], bound: int) -> None:
+    from kvpool.store.inventory import _SortedInts
+
+    s, model = _SortedInts(), set()
+    for add, v in ops:
+        if add and v not in model:
+            s.add(v)
+            model.add(v)
+        elif not add and v in model:
+            s.remove(v)
+            model.discard(v)
+    assert list(s) == sorted(model)
+    assert list(s.below(bound)) == sorted((v for v in model if v < bound), reverse=True)
+

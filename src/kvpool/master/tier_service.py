@@ -1,0 +1,68 @@
+"""The wire side of the SSD tier in the master: the ``TierTasks`` RPC and the tier metrics.
+
+Kept apart from service.py (shared) and from tiering.py (pure, no protobuf), like convert.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvpool.master.state import MasterState
+from kvpool.master.tiering import TierTask
+from kvpool.proto import master_pb2 as pb
+
+__all__ = ["MAX_TASKS_PER_CALL", "metric_families", "stats_extra", "tier_tasks"]
+
+MAX_TASKS_PER_CALL = 1024
+"""Most tasks one TierTasks answer carries, whatever the store asks (bounds the message)."""
+
+_COUNTERS = {
+    "demotions": "Objects copied from DRAM to an SSD tier",
+    "demoted_bytes": "Bytes copied from DRAM to an SSD tier",
+    "demote_failures": "Demotions that failed or timed out",
+    "promotions": "Objects copied back from an SSD tier to DRAM after repeated reads",
+    "promote_failures": "Promotions that failed or timed out",
+    "dram_dropped": "DRAM victims dropped without an SSD copy while the pool has an SSD tier",
+    "ssd_evictions": "SSD replicas dropped by the SSD tier's watermark",
+    "ssd_evicted_bytes": "Bytes of SSD replicas dropped by the SSD tier's watermark",
+    "tier_tasks_expired": "Tier tasks abandoned after tier_task_timeout_s",
+}
+_GAUGES = {
+    "ssd_capacity_bytes": "Bytes of the mounted SSD tiers",
+    "ssd_used_bytes": "Bytes of the SSD tiers in use",
+    "demote_pending_bytes": "DRAM bytes waiting for their demotion",
+    "tier_tasks_pending": "Tier tasks queued or running",
+}
+
+
+def tier_tasks(state: MasterState, req: pb.TierTasksRequest, status: pb.Status) -> pb.TierTasksResponse:
+    """Apply a store's reported results and hand it its next tasks."""
+    done = [(r.id, r.code) for r in req.done]
+    code, tasks, pending = state.tiers.exchange(req.store_id, done, min(req.max_tasks, MAX_TASKS_PER_CALL))
+    if code != 0:
+        status.code = int(code)
+    return pb.TierTasksResponse(status=status, tasks=[_task(t) for t in tasks], pending=pending)
+
+
+def _task(t: TierTask) -> pb.TierTask:
+    return pb.TierTask(id=t.id, kind=int(t.kind), key=t.key, src_segment=t.src_segment,  # type: ignore[arg-type]
+                       src_offset=t.src_offset, dst_segment=t.dst_segment, dst_offset=t.dst_offset,
+                       length=t.length, checksum=t.checksum)
+
+
+def stats_extra(state: MasterState) -> dict[str, float]:
+    """Tier figures for ``StatsResponse.extra`` (empty when no store has an SSD tier)."""
+    stats = state.tiers.stats()
+    if not stats["ssd_capacity_bytes"] and not stats["demotions"] and not stats["tier_tasks_pending"]:
+        return {}
+    return {k: float(v) for k, v in stats.items()}
+
+
+def metric_families(state: MasterState) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    stats = state.tiers.stats()
+    for name, doc in _COUNTERS.items():
+        yield CounterMetricFamily(f"kvpool_master_{name}", doc, value=stats[name])
+    for name, doc in _GAUGES.items():
+        yield GaugeMetricFamily(f"kvpool_master_{name}", doc, value=stats[name])
