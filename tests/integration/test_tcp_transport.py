@@ -350,7 +350,7 @@ def test_a_server_that_never_answers_gives_timeout_by_the_deadline(transport: Tc
         t0 = time.monotonic()
         assert transport.transfer(reqs, Deadline(0.5)) == [ErrorCode.TIMEOUT] * 9
         elapsed = time.monotonic() - t0
-        assert 0.45 < elapsed < 1.5, elapsed
+        assert 0.45 < elapsed < 2.0, elapsed
         assert transport.ping(s.endpoint, Deadline(0.2)) == ErrorCode.TIMEOUT
     finally:
         silent.close()

@@ -310,8 +310,9 @@ class DrainManager:
         if not 0.0 <= tolerance < 1.0:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"tolerance must be in [0, 1), got {tolerance}")
         with self._plan_lock:
-            self._rebalance = _Rebalance(max_moves if max_moves > 0 else 1 << 62, tolerance,
-                                         self.state._clock.monotonic())
+            rb = _Rebalance(max_moves if max_moves > 0 else 1 << 62, tolerance, self.state._clock.monotonic())
+            rb.spread = rebalance_budget(self._rebalance_loads(), tolerance)[2]
+            self._rebalance = rb
         self._wake.set()
         return self.rebalance_status()
 
@@ -425,7 +426,9 @@ class DrainManager:
             log.info("drain of %s done: %d objects (%d bytes) moved in %.1f s", job.node, job.objects_moved,
                      job.bytes_moved, (job.finished_ms - job.started_ms) / 1000)
         self._set_state(job, DRAINED)
-        if job.remove:
+        # Scale-in: unmount only once each store has applied every free notification, so that its inventory
+        # is empty; otherwise a store that keeps running would re-mount with stale entries.
+        if job.remove and all(s.store.pending() == 0 for s in segments):
             job.removed_stores = sorted({s.store_id for s in segments})
             for seg in segments:
                 self.state.unmount_segment(seg.id)
@@ -503,9 +506,7 @@ class DrainManager:
         rb = self._rebalance
         if rb is None or rb.state != RUNNING:
             return
-        drained = {sid for job in self.jobs.values() for sid in (s.id for s in self._segments_of(job))}
-        loads = [SegmentLoad(s.id, s.size, s.allocator.used) for s in self.state._table.allocatable
-                 if s.id not in drained]
+        loads = self._rebalance_loads()
         budget, targets, spread = rebalance_budget(loads, rb.tolerance, self.engine.outgoing())
         rb.spread = spread
         in_flight = self.engine.in_flight(REBALANCE_JOB)
@@ -522,6 +523,12 @@ class DrainManager:
         rb.planned += len(plan.tasks)
         if not plan.tasks and not in_flight and plan.wrapped:
             self._end_rebalance(rb, "no movable object left on the fullest segments")
+
+    def _rebalance_loads(self) -> list[SegmentLoad]:
+        """The OK DRAM segments outside every drain job."""
+        drained = {s.id for job in self.jobs.values() for s in self._segments_of(job)}
+        return [SegmentLoad(s.id, s.size, s.allocator.used) for s in self.state._table.allocatable
+                if s.id not in drained]
 
     def _end_rebalance(self, rb: _Rebalance, reason: str) -> None:
         rb.state = "DONE"

@@ -229,7 +229,8 @@ class StoreServer:
 
     def run(self) -> None:
         """Heartbeat until ``stop()``; then unmount and release the segment."""
-        self.mount(remount=False)
+        if not self._mounted:
+            self.mount(remount=False)
         if self.tier is not None and self.segment is not None:
             # Its own link: SSD task polls never queue behind a heartbeat (or the reverse).
             link = MasterLink(self.config.master, self.config.cluster, self.config.token_file)
@@ -302,6 +303,11 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
     store.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: store.stop())
+    # Ready means mounted: a client that sees this store as ready can allocate on it. If the master is
+    # not reachable yet, the heartbeat loop keeps trying after the first attempts.
+    for _ in range(20):
+        if store.mount(remount=False) or store._stop.wait(0.25):
+            break
     if ready_file:
         info = {"tcp": store.tcp_endpoint, "metrics": store.metrics_endpoint, "node": store.node,
                 "store_id": store.store_id}
