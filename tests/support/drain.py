@@ -18,8 +18,8 @@ from kvpool.tools.local_cluster import LocalCluster
 
 def admin(cluster: LocalCluster, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
     """``kvpool-admin --master <cluster> ARGS`` in a subprocess (what an operator runs)."""
-    cmd = [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master, "--cluster", cluster.cluster,
-           *args]
+    cmd = [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master,
+           "--cluster", cluster.cluster, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
                           check=False)
 

@@ -23,6 +23,7 @@ class ClientConfig:
     breaker_max_backoff_s: float = option(5.0, "Longest fail-fast period of the circuit breaker.",
                                           parse=parse_duration)
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
+    tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
 
     def __post_init__(self) -> None:

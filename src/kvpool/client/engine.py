@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.client.pool_client import Buffer, PoolClient, ptr_view
-from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.errors import ErrorCode, KvPoolError, strerror
 from kvpool.common.keys import Namespace
 from kvpool.common.keys import page_keys as _chain_keys
 from kvpool.common.log import get_logger
@@ -337,6 +337,7 @@ class EngineClient:
         self._max_writers = max(1, io_threads - 1)
         self._closed = False
         self._stopping = False
+        self._last_writeback_error = ""  # for diagnosis: the codes of the latest failed write-back
         self._threads = [threading.Thread(target=self._worker, name=f"kvpool-engine-io-{i}", daemon=True)
                          for i in range(io_threads)]
         for thread in self._threads:
@@ -580,6 +581,8 @@ class EngineClient:
                                              timeout=self.writeback_timeout_s)
             if any(c != 0 for c in codes):
                 ok = False
+                self._last_writeback_error = ", ".join(sorted({strerror(c) for c in codes if c != 0}))
+                log.warning("write-back of %d objects failed: %s", len(codes), self._last_writeback_error)
                 break  # the master or a store is in trouble: do not push the rest into it
         self._metrics.add(writeback_done=int(ok), writeback_failed=int(not ok),
                           writeback_bytes=task.nbytes if ok else 0,
@@ -632,6 +635,11 @@ class EngineClient:
                     self._cond.notify_all()
 
     # --- metrics and shutdown --------------------------------------------------------------------
+
+    @property
+    def last_writeback_error(self) -> str:
+        """The error codes of the latest failed write-back ("" if none failed)."""
+        return self._last_writeback_error
 
     def metrics(self) -> dict[str, float]:
         """Counters for the engine to publish. ``hidden_fraction`` = 1 - caller wait / fetch time: the

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvpool.common.auth import grpc_metadata, load_token
+from kvpool.common import tls
+from kvpool.common.auth import grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.log import get_logger
@@ -80,13 +81,14 @@ class _Breaker:
 class MasterClient:
     """Thread-safe: each call checks a connection out of the pool for its round trip."""
 
-    def __init__(self, master: str, *, token_file: str = "", cluster: str = "kvpool",
+    def __init__(self, master: str, *, token_file: str = "", cluster: str = "kvpool", tls_ca: str = "",
                  breaker_backoff_s: float = 0.5, breaker_max_backoff_s: float = 5.0,
                  resolver: Callable[[float], str] | None = None) -> None:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
         self._resolve = resolver or _make_resolver(master, cluster)
         self._token = load_token(token_file)
+        self._tls_ca = tls_ca
         self._breaker = _Breaker(breaker_backoff_s, breaker_max_backoff_s)
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
@@ -101,13 +103,13 @@ class MasterClient:
     def _discover(self, deadline: Deadline) -> str:
         """Ask the (current) master where its framed endpoint is; remember the answer."""
         grpc_endpoint = self._resolve(_timeout(deadline, 2.0))
-        with grpc.insecure_channel(grpc_endpoint) as channel:
+        with tls.channel(grpc_endpoint, self._tls_ca) as channel:
             stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 info = stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=_timeout(deadline, 2.0),
                                            metadata=grpc_metadata(self._token))
             except grpc.RpcError as exc:
-                raise KvPoolError(ErrorCode.UNAVAILABLE, f"master {grpc_endpoint}: {exc.code().name}") from exc
+                raise KvPoolError(grpc_error_code(exc), f"master {grpc_endpoint}: {exc.code().name}") from exc
         with self._lock:
             self._grpc_endpoint = grpc_endpoint
             self._rpc_endpoint = info.rpc_endpoint
@@ -229,13 +231,13 @@ class MasterClient:
 
     def grpc_call(self, method: str, request: Any, timeout: float = 10.0) -> Any:
         """A control-plane call over gRPC (admin, stats); raises KvPoolError."""
-        with grpc.insecure_channel(self.grpc_endpoint) as channel:
+        with tls.channel(self.grpc_endpoint, self._tls_ca) as channel:
             stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 response = getattr(stub, method)(request, timeout=timeout, metadata=grpc_metadata(self._token))
             except grpc.RpcError as exc:
                 self.invalidate()
-                raise KvPoolError(ErrorCode.UNAVAILABLE, f"{method}: {exc.code().name} {exc.details()}") from exc
+                raise KvPoolError(grpc_error_code(exc), f"{method}: {exc.code().name} {exc.details()}") from exc
         code = as_code(response.status.code)
         if code != ErrorCode.OK:
             raise KvPoolError(code, response.status.message)

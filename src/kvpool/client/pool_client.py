@@ -25,6 +25,7 @@ from kvpool.common import envs
 from kvpool.common.checksum import checksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.failpoints import CLIENT_PUT_BEFORE_END, failpoint
 from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
@@ -103,7 +104,7 @@ class PoolClient:
         self.client_id = uuid.uuid4().hex
         self.node = envs.node_name()
         self._clock = clock
-        self._master = MasterClient(cfg.master, token_file=cfg.token_file, cluster=cfg.cluster,
+        self._master = MasterClient(cfg.master, token_file=cfg.token_file, cluster=cfg.cluster, tls_ca=cfg.tls_ca,
                                     breaker_backoff_s=cfg.breaker_backoff_s,
                                     breaker_max_backoff_s=cfg.breaker_max_backoff_s)
         self._transports = transports or TransportSet.default(cfg, self.node)
@@ -191,6 +192,7 @@ class PoolClient:
             for desc in result.replicas:
                 transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, _replica(desc), views[i], sums[i])))
         written = self._write_all(transfers, deadline)
+        failpoint(CLIENT_PUT_BEFORE_END)  # chaos tests: a writer dying between the transfers and PutEnd
         self._finish_puts(keys, started.results, written, sums, codes, deadline)
         ok = sum(1 for c in codes if c == 0)
         self._counters.add(puts=ok, put_errors=len(keys) - ok,

@@ -44,6 +44,8 @@ class MasterConfig:
     max_batch: int = option(8192, "Most keys in one batch call.")
     token_file: str = option("", "File holding the cluster token (required on every call when set).",
                              env=envs.KVPOOL_TOKEN_FILE)
+    tls_cert: str = option("", "PEM certificate: serve gRPC over TLS only (with --tls-key).")
+    tls_key: str = option("", "PEM private key of --tls-cert.")
     # SSD tier (docs/ssd-tier.md); these only matter once a store mounts an SSD tier.
     ssd_high_watermark: float = option(0.95, "Start dropping least recently used SSD replicas when this "
                                              "fraction of a store's SSD tier is used.")

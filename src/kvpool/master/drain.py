@@ -79,8 +79,9 @@ STALL_AFTER_S = 2.0
 PERSIST_EVERY_S = 1.0
 PLAN_PER_TICK = 512
 """Most moves planned per controller tick (bounds the time the tick holds the planner)."""
-SHARDS_PER_TICK = 256
-"""Most shards one planning pass scans (the next tick goes on from there)."""
+OBJECTS_PER_TICK = 20_000
+"""A planning pass stops after the shard where it has looked at this many objects (the next tick goes on
+from there): bounds how long one tick holds the interpreter (a few ms)."""
 REBALANCE_JOB = "rebalance"
 
 
@@ -166,6 +167,8 @@ class _Rebalance:
     spread: float = 0.0
     message: str = ""
     finished: float = 0.0
+    idle_shards: int = 0
+    """Shards scanned since the last planned move: a whole map's worth means nothing more can move."""
 
 
 @dataclass(frozen=True)
@@ -292,18 +295,19 @@ class DrainManager:
                            status.objects_remaining, status.bytes_remaining, status.in_flight, status.seconds,
                            f"{len(ids)} segments back to OK", status.segment_ids, status.failures, job.remove)
 
+    # Status reads take no planner lock: they run on the service's loop (and the metrics thread) and must
+    # not wait behind a planning pass. A job's fields are read racily: fine for progress reports.
+
     def status(self, node: str) -> DrainStatus:
         self._check_loaded()
-        with self._plan_lock:
-            job = self.jobs.get(node)
-            if job is None:
-                raise KvPoolError(ErrorCode.JOB_NOT_FOUND, f"no drain job for {node!r}")
-            return self._status_of(job, self._segments_of(job))
+        job = self.jobs.get(node)
+        if job is None:
+            raise KvPoolError(ErrorCode.JOB_NOT_FOUND, f"no drain job for {node!r}")
+        return self._status_of(job, self._segments_of(job))
 
     def statuses(self) -> list[DrainStatus]:
         self._check_loaded()
-        with self._plan_lock:
-            return [self._status_of(job, self._segments_of(job)) for _, job in sorted(self.jobs.items())]
+        return [self._status_of(job, self._segments_of(job)) for _, job in sorted(list(self.jobs.items()))]
 
     def start_rebalance(self, max_moves: int = 0, tolerance: float = 0.05) -> RebalanceStatus:
         """Start (or restart) a rebalance; ``max_moves`` 0 = no limit."""
@@ -440,7 +444,7 @@ class DrainManager:
         targets = {s.store_id for s in self.state._table.allocatable if s.id not in draining}
         slots = min(PLAN_PER_TICK, len(targets) * self._max_per_store - self.engine.in_flight())
         if targets:
-            plan = self.engine.plan_moves(slots, draining, job=job.key, max_shards=SHARDS_PER_TICK)
+            plan = self.engine.plan_moves(slots, draining, job=job.key, max_objects=OBJECTS_PER_TICK)
         else:  # nowhere to go: every object left is "without room"
             segs = [s for s in self._segments_of(job) if s.id in draining]
             plan = MovePlan(no_room=sum(s.allocator.allocations for s in segs),
@@ -451,7 +455,8 @@ class DrainManager:
                 job.dirty = True
         if plan.tasks or plan.retired or self.engine.in_flight(job.key) or not plan.no_room:
             job.no_room_since = None
-            self._set_state(job, RUNNING)
+            busy = plan.tasks or self.engine.in_flight(job.key)
+            self._set_state(job, RUNNING, "" if busy else self._waiting_for(draining))
             return
         # Nothing could be placed and nothing is moving. No eviction here: the maintenance thread keeps the
         # targets under their high watermark as moves fill them (the coldest objects go, as for puts), and
@@ -462,12 +467,19 @@ class DrainManager:
             where = "no other segment takes allocations" if not targets else "no target segment has room"
             self._set_state(job, STALLED, f"{where} for {plan.no_room} objects")
 
+    def _waiting_for(self, draining: list[int]) -> str:
+        """Why a running drain moves nothing right now (for the operator)."""
+        held = self.engine.retiring_bytes(draining)
+        if held:
+            return f"waiting for read leases on {held} bytes of moved objects"
+        return "waiting for puts in flight (or a retry backoff)"
+
     def _set_state(self, job: DrainJob, state: str, message: str = "") -> None:
-        if job.state != state or job.message != message:
-            job.state = state
-            job.message = message
-            job.dirty = True
+        if job.state != state:
             job.persisted_at = 0.0  # state changes are recorded at once
+            job.dirty = True
+        job.state = state
+        job.message = message
 
     def _status_of(self, job: DrainJob, segments: list[Segment]) -> DrainStatus:
         live = [s for s in segments if s.status != SegmentStatus.DRAINED]
@@ -519,9 +531,10 @@ class DrainManager:
                     len({s.store_id for s in self.state._table.allocatable if s.id in targets})
                     * self._max_per_store - self.engine.in_flight())
         plan = self.engine.plan_moves(slots, set(budget), job=REBALANCE_JOB, targets=targets, budget=budget,
-                                      retire_redundant=False, max_shards=SHARDS_PER_TICK)
+                                      retire_redundant=False, max_objects=OBJECTS_PER_TICK)
         rb.planned += len(plan.tasks)
-        if not plan.tasks and not in_flight and plan.wrapped:
+        rb.idle_shards = 0 if plan.tasks else rb.idle_shards + plan.scanned_shards
+        if not in_flight and rb.idle_shards >= self.state._shards.num_shards:
             self._end_rebalance(rb, "no movable object left on the fullest segments")
 
     def _rebalance_loads(self) -> list[SegmentLoad]:

@@ -66,8 +66,10 @@ _log = get_logger(__name__)
 
 MOVE_TIMEOUT_S = 30.0
 """Lifetime of a move's grants: the store must finish the copy (and report) within it."""
-MAX_IN_FLIGHT_PER_STORE = 32
-"""Most moves queued for or running on one target store: bounds the copy load a drain puts on a store."""
+MAX_IN_FLIGHT_PER_STORE = 64
+"""Most moves planned for one target store (queued at the master or running there). A store runs at most 32
+at once (store/mover.py); the other half waits in its queue so that the store gets its next batch in the
+same call that reports the last one (no round trip of idle time between batches)."""
 RETRY_BACKOFF_S = 1.0
 """A failed move is planned again after this (times its failure count, at most 30 x)."""
 ABANDON_GRACE_S = 5.0
@@ -75,6 +77,8 @@ ABANDON_GRACE_S = 5.0
 _BACKOFF_LIMIT = 100_000
 
 _K = TypeVar("_K")
+_BUSY = object()
+"""_allocate_target: every eligible target store has its moves in flight."""
 _READ = grants.GrantOp.READ
 _WRITE = grants.GrantOp.WRITE
 
@@ -120,6 +124,8 @@ class MovePlan:
     """Objects for which no target segment had room (or none was eligible)."""
     no_room_bytes: int = 0
     scanned_shards: int = 0
+    busy: bool = False
+    """The pass stopped because every eligible target store had its moves in flight (not a lack of room)."""
     wrapped: bool = False
     """The scan went over every shard in this pass."""
 
@@ -204,14 +210,16 @@ class MoveEngine:
 
     def plan_moves(self, limit: int, source_segments: Collection[int], *, job: str = "",
                    targets: Collection[int] | None = None, budget: dict[int, int] | None = None,
-                   retire_redundant: bool = True, max_shards: int | None = None) -> MovePlan:
+                   retire_redundant: bool = True, max_shards: int | None = None,
+                   max_objects: int | None = None) -> MovePlan:
         """Start up to ``limit`` moves of objects with a COMPLETE replica on a ``source_segments`` segment.
 
         ``targets`` restricts the target segments (rebalance); ``budget`` (source id -> bytes, decremented
         here) stops taking objects from a source once it has shed enough. ``retire_redundant`` (drain): an
         object that already has a complete replica outside the sources and for which no target has room is
         not copied; its source replica is only retired. The scan resumes where the job's last pass stopped
-        and covers at most ``max_shards`` shards (default: all). Objects still PROCESSING, with a move (or
+        and covers at most ``max_shards`` shards (default: all), stopping after the shard where it has looked
+        at ``max_objects`` objects (bounds the work of one call). Objects still PROCESSING, with a move (or
         another copy) in flight, or in their retry backoff are skipped: a later pass finds them.
         """
         plan = MovePlan()
@@ -223,13 +231,17 @@ class MoveEngine:
         cursor = self._cursors.get(job, 0) % nshards
         todo = nshards if max_shards is None else min(nshards, max_shards)
         now = self._clock.monotonic()
-        while plan.scanned_shards < todo and len(plan.tasks) < limit:
+        looked = 0
+        while plan.scanned_shards < todo and len(plan.tasks) < limit and not plan.busy:
+            if max_objects is not None and looked >= max_objects:
+                break
             shard = shards[(cursor + plan.scanned_shards) % nshards]
             plan.scanned_shards += 1
             with shard.lock:
+                looked += len(shard.objects)
                 keys = [k for k, m in shard.objects.items() if _movable(m, sources)]
             for key in keys:
-                if len(plan.tasks) >= limit:
+                if len(plan.tasks) >= limit or plan.busy:
                     break
                 if budget is not None and not any(v > 0 for v in budget.values()):
                     break
@@ -270,6 +282,9 @@ class MoveEngine:
                     plan.retired_bytes += size
                 return
             placed = self._allocate_target(size, sources | holding, targets)
+            if placed is _BUSY:
+                plan.busy = True  # wait for a free slot: do not count it as "no room", do not retire
+                return
             if placed is None:
                 plan.no_room += 1
                 plan.no_room_bytes += size
@@ -277,6 +292,7 @@ class MoveEngine:
                     plan.retired += 1
                     plan.retired_bytes += size
                 return
+            assert isinstance(placed, tuple)
             target, target_offset = placed
             src_seg = by_id.get(source.segment_id)
             with shard.lock:
@@ -294,15 +310,17 @@ class MoveEngine:
                                          target_offset, job))
 
     def _allocate_target(self, size: int, exclude: Collection[int],
-                         targets: Collection[int] | None) -> tuple[Segment, int] | None:
-        """A range on an OK segment the placement policy prefers, on a store with a free move slot."""
+                         targets: Collection[int] | None) -> tuple[Segment, int] | object | None:
+        """A range on an OK segment the placement policy prefers, on a store with a free move slot;
+        ``_BUSY`` when no free store has room but a store at its limit may have; None when none has."""
         with self._lock:
             busy = {s for s, n in self._per_store.items() if n >= self.max_per_store}
-        candidates = [s for s in self._table.allocatable
-                      if s.id not in exclude and s.store_id not in busy
-                      and (targets is None or s.id in targets)]
+        eligible = [s for s in self._table.allocatable
+                    if s.id not in exclude and (targets is None or s.id in targets)]
+        candidates = [s for s in eligible if s.store_id not in busy]
+        waiting = len(candidates) < len(eligible)
         if not candidates:
-            return None
+            return _BUSY if waiting else None
         order = self.state._placement.choose(candidates, size, 1, set(), (), "")
         by_id = self._table.by_id
         for segment_id in order:
@@ -312,7 +330,7 @@ class MoveEngine:
             offset = seg.allocator.allocate(size)
             if offset is not None:
                 return seg, offset
-        return None
+        return _BUSY if waiting else None
 
     def _register(self, key: str, kb: bytes, size: int, checksum: int, source: Segment, source_offset: int,
                   target: Segment, target_offset: int, job: str) -> MoveTask:
@@ -384,6 +402,11 @@ class MoveEngine:
             for segment_id, size in self._retiring_bytes.items():
                 out[segment_id] = out.get(segment_id, 0) + size
             return out
+
+    def retiring_bytes(self, segment_ids: Collection[int]) -> int:
+        """Bytes of ``segment_ids`` waiting to be freed (leases of moved objects, abandoned grants)."""
+        with self._lock:
+            return sum(self._retiring_bytes.get(sid, 0) for sid in segment_ids)
 
     def retiring(self) -> int:
         """Ranges out of the index whose freeing waits for a lease (or an abandoned grant)."""

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpool.common import tls
 from kvpool.common.auth import TokenChecker
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.httpserver import MetricsServer
@@ -31,6 +32,7 @@ from kvpool.master import convert, tier_service
 from kvpool.master.config import MasterConfig
 from kvpool.master.drain import DrainController, DrainManager
 from kvpool.master.drain_service import DrainRpc
+from kvpool.master.limits import max_request_payload
 from kvpool.master.state import MasterState
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -328,6 +330,9 @@ class _FramedRpcProtocol(asyncio.Protocol):
         self._handlers = handlers
         self._auth = auth
         self._authed = not auth.required
+        # Bounded per connection by what the largest legal request can need (limits.py), so a peer that
+        # announces a huge frame cannot make the master buffer it.
+        self._max_payload = max_request_payload(handlers.config)
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._peer: Any = None
@@ -355,7 +360,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
         try:
             while len(buf) - consumed >= frames.HEADER_SIZE:
                 head = frames.unpack_header(memoryview(buf)[consumed:consumed + frames.HEADER_SIZE])
-                if head.length > frames.MAX_RPC_PAYLOAD:
+                if head.length > self._max_payload:
                     raise KvPoolError(ErrorCode.BAD_FRAME, f"payload of {head.length} bytes")
                 end = consumed + frames.HEADER_SIZE + head.length
                 if len(buf) < end:
@@ -385,7 +390,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
             self._reply(head)
             return True
         if head.op == frames.Op.HELLO:
-            self._authed = self._auth.check(payload)
+            self._authed = self._auth.check(payload, "rpc")
             self._reply(head, code=ErrorCode.OK if self._authed else ErrorCode.AUTH_FAILED)
             return self._authed
         method = frames.RPC_METHODS.get(head.op)
@@ -393,6 +398,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
             self._reply(head, code=ErrorCode.UNKNOWN_OP)
             return False
         if not self._authed:
+            self._auth.refuse("rpc")
             self._reply(head, code=ErrorCode.AUTH_FAILED)
             return False
         name, request_type, response_type = method
@@ -470,6 +476,7 @@ class MasterServer:
         self.endpoints: dict[str, str] = {}
         self.handlers = MasterHandlers(self.state, config, self.role, self.endpoints)
         self._auth = TokenChecker.from_file(config.token_file)
+        self.handlers.registry.register(self._auth.collector("master"))
         self._grpc: grpc.aio.Server | None = None
         self._framed = FramedRpcServer(self.handlers, self._auth)
         self._metrics: MetricsServer | None = None
@@ -483,7 +490,12 @@ class MasterServer:
             interceptors=[self._auth.grpc_interceptor()] if self._auth.required else None,
         )
         pb_grpc.add_MasterServiceServicer_to_server(_make_servicer(self.handlers), self._grpc)  # type: ignore[no-untyped-call]
-        grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = tls.server_credentials(self.config.tls_cert, self.config.tls_key)
+        if credentials is None:
+            grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            grpc_port = self._grpc.add_secure_port(address, credentials)
         if grpc_port == 0:
             raise KvPoolError(ErrorCode.UNAVAILABLE, f"cannot listen on {self.config.host}:{self.config.port}")
         await self._grpc.start()

@@ -25,6 +25,7 @@ _COUNTERS = {
     "promotions": "Objects copied back from an SSD tier to DRAM after repeated reads",
     "promote_failures": "Promotions that failed or timed out",
     "dram_dropped": "DRAM victims dropped without an SSD copy while the pool has an SSD tier",
+    "dram_dropped_urgent": "DRAM victims dropped by an eviction forced by a failed allocation",
     "ssd_evictions": "SSD replicas dropped by the SSD tier's watermark",
     "ssd_evicted_bytes": "Bytes of SSD replicas dropped by the SSD tier's watermark",
     "tier_tasks_expired": "Tier tasks abandoned after tier_task_timeout_s",

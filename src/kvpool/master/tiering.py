@@ -199,6 +199,8 @@ class _Counters:
     promote_failures: int = 0
     dram_dropped: int = 0
     """Objects evicted from DRAM with no SSD copy although the pool has an SSD tier (urgent, cap, no room)."""
+    dram_dropped_urgent: int = 0
+    """... of which by an eviction forced by a failed allocation (demotion did not keep up)."""
     ssd_evictions: int = 0
     ssd_evicted_bytes: int = 0
     tasks_expired: int = 0
@@ -294,6 +296,8 @@ class TierManager:
         if gone:
             with self._lock:
                 self._c.dram_dropped += 1
+                if urgent:
+                    self._c.dram_dropped_urgent += 1
         return freed, gone
 
     def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> bool:
@@ -604,6 +608,7 @@ class TierManager:
                 "promotions": c.promotions,
                 "promote_failures": c.promote_failures,
                 "dram_dropped": c.dram_dropped,
+                "dram_dropped_urgent": c.dram_dropped_urgent,
                 "ssd_evictions": c.ssd_evictions,
                 "ssd_evicted_bytes": c.ssd_evicted_bytes,
                 "tier_tasks_expired": c.tasks_expired,

@@ -29,9 +29,18 @@ class StoreConfig:
     heartbeat_interval_s: float = option(1.0, "Heartbeat period to the master.", parse=parse_duration)
     max_connections: int = option(1024, "Most concurrent data-plane connections.")
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
+    tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")
+    max_connections_per_client: int = option(256, "Most data-plane connections from one client address "
+                                                  "(0 = no limit); more get TOO_MANY_CONNECTIONS.")
+    max_inflight_bytes_per_client: int = option(256 << 20, "Most payload bytes being read or written for one "
+                                                           "client address at once (0 = no limit); a request "
+                                                           "over it gets TOO_MANY_BYTES_IN_FLIGHT.",
+                                                parse=parse_size)
 
     def __post_init__(self) -> None:
         if self.size < 1 << 20:
             raise ValueError(f"--size must be at least 1 MiB, got {self.size}")
         if self.numa_node < -1:
             raise ValueError("--numa-node must be >= 0 (or -1 for no binding)")
+        if self.max_connections_per_client < 0 or self.max_inflight_bytes_per_client < 0:
+            raise ValueError("per-client limits must be >= 0 (0 = no limit)")

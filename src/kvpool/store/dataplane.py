@@ -9,11 +9,16 @@ Every READ/WRITE carries a grant signed by the master with the segment's secret.
 in this order, and the first failure is the reply:
 
 ====================================  ===================
+the connection presented the token    AUTH_FAILED (op HELLO in the reply; the connection is closed)
 the segment is served here            SEGMENT_NOT_FOUND
 the grant's MAC verifies              AUTH_FAILED
 the grant has not expired (wall ms)   GRANT_EXPIRED
 part within grant, grant within seg   OUT_OF_BOUNDS
+the client's bytes in flight fit      TOO_MANY_BYTES_IN_FLIGHT (store/limits.py)
 ====================================  ===================
+
+The first check applies only when the cluster requires a token: then the first frame of a connection
+must be a HELLO carrying it (compared in constant time, refusals counted per plane).
 
 Only then are bytes moved, and only within [offset + part_offset, + part_length): the segment is never
 read or written outside the granted range. A rejected WRITE whose frame is well-formed still has its
@@ -35,12 +40,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.common.auth import TokenChecker
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op, TransferDesc
 from kvpool.store.inventory import Inventory
+from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import serve_tier_read
@@ -50,6 +57,8 @@ logger = get_logger(__name__)
 
 _SCRATCH_BYTES = 256 * 1024
 _MAX_READ_PAYLOAD = DESC.size + MAX_KEY_BYTES
+MAX_HELLO_PAYLOAD = 4096
+"""Longest token a HELLO may carry; a longer one is a malformed frame."""
 # struct offsets inside DESC: part_length (7th u64 -> index 6) and key_len (the u16 after it)
 _DESC_PART_LENGTH = 6
 _DESC_KEY_LEN = 7
@@ -106,6 +115,8 @@ class _Conn:
     peer: str
     stats: _ConnStats
     thread: threading.Thread | None = None
+    authed: bool = True  # False until a valid HELLO when the cluster requires a token
+    client: str = ""  # the peer's host: what per-client limits count
 
 
 class DataPlaneServer:
@@ -114,7 +125,8 @@ class DataPlaneServer:
     def __init__(self, host: str, port: int, segments: dict[int, ShmSegment], secrets: dict[int, bytes],
                  inventory: Inventory, max_connections: int = 1024, clock: Clock = SYSTEM_CLOCK,
                  store_info: Callable[[], dict[str, Any]] | None = None, stall_timeout_s: float = 30.0,
-                 socket_buffer: int = 4 << 20) -> None:
+                 socket_buffer: int = 4 << 20, auth: TokenChecker | None = None,
+                 limits: ClientLimits | None = None) -> None:
         self.host = host
         self.port = port
         self._inventory = inventory
@@ -136,6 +148,9 @@ class DataPlaneServer:
         self._acceptor: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._stopping = False
+        # Cluster token (HELLO first on every connection when required) and per-client limits.
+        self.auth = auth or TokenChecker(b"")
+        self.limits = limits or ClientLimits()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -230,16 +245,22 @@ class DataPlaneServer:
                     self._admit(sock, _peer_name(addr))
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
+        client = client_of(peer)
         with self._lock:
             full = len(self._conns) >= self._max_connections or self._stopping
-            if full:
+            client_full = not full and not self.limits.open(client)
+            if full or client_full:
                 self._totals.connections_rejected += 1
             else:
-                conn = _Conn(sock, peer, _ConnStats())
+                conn = _Conn(sock, peer, _ConnStats(), authed=not self.auth.required, client=client)
                 self._conns.add(conn)
                 self._totals.connections_total += 1
-        if full:
-            logger.warning("data plane: %s refused, %d connections open", peer, self._max_connections)
+        if full or client_full:
+            if full:
+                logger.warning("data plane: %s refused, %d connections open", peer, self._max_connections)
+            else:
+                logger.warning("data plane: %s refused, %d connections open from %s", peer,
+                               self.limits.max_connections, client)
             _reply_and_close(sock, ErrorCode.TOO_MANY_CONNECTIONS, 0, 0)
             return
         conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"kvpool-dp-{peer}",
@@ -270,6 +291,7 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.discard(conn)
                 conn.stats.fold_into(self._totals)
+                self.limits.close(conn.client)
 
     def _loop(self, conn: _Conn, reader: FrameReader) -> None:
         scratch: memoryview | None = None
@@ -281,7 +303,9 @@ class DataPlaneServer:
             if magic != MAGIC:
                 raise _Close(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x}")
             stats.requests += 1
-            if op == Op.READ:
+            if op == Op.HELLO or not conn.authed:
+                self._hello(conn, reader, op, req_id, length)
+            elif op == Op.READ:
                 self._read(conn, reader, req_id, length)
             elif op == Op.WRITE:
                 if scratch is None:
@@ -295,6 +319,24 @@ class DataPlaneServer:
                 self._send_info(conn, req_id)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
+
+    def _hello(self, conn: _Conn, reader: FrameReader, op: int, req_id: int, length: int) -> None:
+        """HELLO carries the cluster token; any other request before a valid one is refused and closed.
+
+        The refusal's reply names op HELLO, so a client tells it from a grant's AUTH_FAILED (which
+        leaves the connection open). Without a required token, HELLO is answered OK whatever it holds.
+        """
+        if op != Op.HELLO:
+            self.auth.refuse("data")
+            raise _Close(ErrorCode.AUTH_FAILED, f"op {op} before HELLO: the cluster token is required",
+                         req_id, Op.HELLO)
+        if length > MAX_HELLO_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"HELLO of {length} bytes", req_id, Op.HELLO)
+        if not self.auth.check(bytes(reader.read(length)), "data"):
+            conn.authed = False
+            raise _Close(ErrorCode.AUTH_FAILED, "wrong cluster token", req_id, Op.HELLO)
+        conn.authed = True
+        self._reply(conn, Op.HELLO, req_id, ErrorCode.OK)
 
     def _wait_for_frame(self, reader: FrameReader) -> bool:
         """Block until the next frame starts; an idle connection may wait forever. False on a clean EOF."""
@@ -327,7 +369,7 @@ class DataPlaneServer:
                 self._reply(conn, Op.READ, req_id, code)
             conn.stats.bytes_read += sent
             return
-        code, seg = self._check(desc)
+        code, seg = self._check_and_reserve(conn, desc)
         if seg is None:
             conn.stats.error(code)
             self._reply(conn, Op.READ, req_id, code)
@@ -338,6 +380,7 @@ class DataPlaneServer:
             send_all(conn.sock, HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, len(data)), data)
         finally:
             data.release()
+            self.limits.release(conn.client, desc.part_length)
         conn.stats.bytes_read += desc.part_length
 
     def _write(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, scratch: memoryview) -> None:
@@ -351,7 +394,7 @@ class DataPlaneServer:
                          f"WRITE payload {length} != desc {DESC.size} + key {key_len} + part {part_length}"
                          f" (max key {MAX_KEY_BYTES}, max part {self._max_part})", req_id, Op.WRITE)
         desc = _desc(GrantOp.WRITE, fields, bytes(reader.read(key_len)))
-        code, seg = self._check(desc)
+        code, seg = self._check_and_reserve(conn, desc)
         if seg is None:
             reader.skip(part_length, scratch)  # keep the connection in sync; never touch the segment
             conn.stats.error(code)
@@ -365,10 +408,19 @@ class DataPlaneServer:
             reader.read_into(dest)
         finally:
             dest.release()
+            self.limits.release(conn.client, part_length)
         self._inventory.record_part(g.segment_id, g.offset, g.length, g.key, desc.checksum,
                                     desc.part_offset, part_length)
         conn.stats.bytes_written += part_length
         self._reply(conn, Op.WRITE, req_id, ErrorCode.OK)
+
+    def _check_and_reserve(self, conn: _Conn, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
+        """``_check``, then take the part's bytes from the client's in-flight budget (released by the
+        caller once the bytes have moved)."""
+        code, seg = self._check(desc)
+        if seg is not None and not self.limits.reserve(conn.client, desc.part_length):
+            return ErrorCode.TOO_MANY_BYTES_IN_FLIGHT, None
+        return code, seg
 
     def _check(self, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
         """Authorize one request; the segment only when every check passed."""

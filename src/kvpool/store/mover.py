@@ -67,7 +67,7 @@ class Mover(threading.Thread):
 
     def __init__(self, link: Link, store_id: str, segment: ShmSegment, secret: bytes, inventory: Inventory,
                  transport: Transport | None = None, max_in_flight: int = 32, idle_s: float = 5.0,
-                 busy_s: float = 0.05, clock: Clock = SYSTEM_CLOCK) -> None:
+                 busy_s: float = 0.01, clock: Clock = SYSTEM_CLOCK) -> None:
         super().__init__(name="kvpool-mover", daemon=True)
         self._link = link
         self._store_id = store_id

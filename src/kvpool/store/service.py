@@ -22,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.common import envs
-from kvpool.common.auth import grpc_metadata, load_token
+from kvpool.common import tls
+from kvpool.common.auth import TokenChecker, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import new_secret
 from kvpool.common.httpserver import MetricsServer
@@ -32,9 +33,11 @@ from kvpool.proto import master_pb2_grpc as pb_grpc
 from kvpool.store.config import StoreConfig
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
+from kvpool.store.limits import ClientLimits
 from kvpool.store.mover import Mover
 from kvpool.store.segment import ShmSegment
 from kvpool.store.tiering import StoreTier
+from kvpool.transfer.tcp import TcpTransport
 
 log = get_logger(__name__)
 
@@ -42,8 +45,9 @@ log = get_logger(__name__)
 class MasterLink:
     """gRPC to the current master: mount, heartbeat, unmount. Re-resolves the leader on failure."""
 
-    def __init__(self, master: str, cluster: str, token_file: str) -> None:
+    def __init__(self, master: str, cluster: str, token_file: str, tls_ca: str = "") -> None:
         self._master = master
+        self._tls_ca = tls_ca
         self._cluster = cluster
         self._metadata = grpc_metadata(load_token(token_file))
         self._channel: grpc.Channel | None = None
@@ -56,7 +60,7 @@ class MasterLink:
             self.reset()  # a new leader is published: go there now, not after a timeout at the old one
         if self._channel is None:
             self._endpoint = self._resolve(2.0)
-            self._channel = grpc.insecure_channel(self._endpoint, options=[
+            self._channel = tls.channel(self._endpoint, self._tls_ca, options=[
                 ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         return pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -76,7 +80,7 @@ class MasterLink:
             response = getattr(self._stub(), method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             self.reset()
-            raise KvPoolError(ErrorCode.UNAVAILABLE, f"{method} to {self._endpoint}: {exc.code().name}") from exc
+            raise KvPoolError(grpc_error_code(exc), f"{method} to {self._endpoint}: {exc.code().name}") from exc
         except KvPoolError:
             self.reset()
             raise
@@ -117,9 +121,10 @@ class StoreServer:
         """Runs the drain/rebalance copies the master hands this store (store/mover.py)."""
         """The SSD tier (--ssd-dir), mounted as a second segment with tier=1 (docs/ssd-tier.md)."""
         self._secret = new_secret()
-        self._link = MasterLink(config.master, config.cluster, config.token_file)
+        self._link = MasterLink(config.master, config.cluster, config.token_file, config.tls_ca)
         self._freed_ack = 0
         self._mounted = False
+        self._mover_transport: TcpTransport | None = None
         self._stop = threading.Event()
         self._metrics: MetricsServer | None = None
         self.registry = CollectorRegistry()
@@ -142,7 +147,11 @@ class StoreServer:
         self.segment.prefault()
         self.dataplane = DataPlaneServer(cfg.host, cfg.port, {self.segment.id: self.segment},
                                          {self.segment.id: self._secret}, self.inventory,
-                                         max_connections=cfg.max_connections, store_info=self.info)
+                                         max_connections=cfg.max_connections, store_info=self.info,
+                                         auth=TokenChecker.from_file(cfg.token_file),
+                                         limits=ClientLimits(cfg.max_connections_per_client,
+                                                             cfg.max_inflight_bytes_per_client))
+        self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
             self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
             self.dataplane.add_tier(self.tier.segment_id, self.tier.ssd, self.tier.secret)
@@ -233,12 +242,16 @@ class StoreServer:
             self.mount(remount=False)
         if self.tier is not None and self.segment is not None:
             # Its own link: SSD task polls never queue behind a heartbeat (or the reverse).
-            link = MasterLink(self.config.master, self.config.cluster, self.config.token_file)
+            link = MasterLink(self.config.master, self.config.cluster, self.config.token_file, self.config.tls_ca)
             self.tier.start_worker(link, self.store_id, self.segment, self.inventory)
         if self.segment is not None:
             # Drain/rebalance copies into this store; its own link, like the tier worker.
-            self.mover = Mover(MasterLink(self.config.master, self.config.cluster, self.config.token_file),
-                               self.store_id, self.segment, self._secret, self.inventory)
+            # Store-to-store copies open data-plane connections too: they present the cluster token.
+            self._mover_transport = TcpTransport(token=load_token(self.config.token_file))
+            self.mover = Mover(MasterLink(self.config.master, self.config.cluster, self.config.token_file,
+                                          self.config.tls_ca),
+                               self.store_id, self.segment, self._secret, self.inventory,
+                               transport=self._mover_transport)
             self.mover.start()
         while not self._stop.wait(self.config.heartbeat_interval_s):
             self.heartbeat()
@@ -250,6 +263,8 @@ class StoreServer:
     def shutdown(self, unmount: bool = True) -> None:
         if self.mover is not None:
             self.mover.stop()  # before the segment is unmapped: no copy is writing into it any more
+        if self._mover_transport is not None:
+            self._mover_transport.close()
         if self.tier is not None:
             if self.tier.worker is not None:
                 self.tier.worker.stop()
@@ -295,6 +310,12 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvpool_store_bytes_read", "Bytes served to readers", value=s.bytes_read)
         yield CounterMetricFamily("kvpool_store_bytes_written", "Bytes written by clients", value=s.bytes_written)
         yield CounterMetricFamily("kvpool_store_requests", "Data-plane requests", value=s.requests)
+        yield CounterMetricFamily("kvpool_store_connections_rejected", "Connections refused (total or per-client "
+                                  "limit)", value=s.connections_rejected)
+        errors = CounterMetricFamily("kvpool_store_errors", "Data-plane error replies by code", labels=["code"])
+        for code, n in sorted(s.errors.items()):
+            errors.add_metric([code], n)
+        yield errors
 
 
 def serve(config: StoreConfig, ready_file: str = "") -> int:

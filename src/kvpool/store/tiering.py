@@ -6,8 +6,8 @@ precedes a later DEMOTE into it: see master/tiering.py), and reports the results
 polls again at once while it has work or results to report, and every ``idle_s`` otherwise.
 
 SSD reads are served by the data-plane thread of the connection: the grant is checked as for DRAM, the
-file's header is checked against the grant's key and length, and the bytes go from the file to the socket
-with ``sendfile`` (no copy through Python).
+SSD index entry at the granted offset is checked against the grant's key and length, and the bytes go from
+the data file to the socket with ``sendfile`` (no copy through Python).
 """
 
 from __future__ import annotations
@@ -53,22 +53,18 @@ def serve_tier_read(sock: socket.socket, tier: SsdTier, secret: bytes, desc: Tra
         return ErrorCode.GRANT_EXPIRED, 0
     if desc.part_offset + desc.part_length > g.length or g.offset + g.length > tier.capacity:
         return ErrorCode.OUT_OF_BOUNDS, 0
-    opened = tier.open_value(g.offset, g.key, g.length)
-    if isinstance(opened, ErrorCode):
-        return opened, 0
-    fd, start = opened
-    try:
-        # MSG_MORE: the header and the first bytes of the value leave in one segment.
-        sock.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, desc.part_length), socket.MSG_MORE)
-        offset, left = start + desc.part_offset, desc.part_length
-        while left:
-            n = os.sendfile(sock.fileno(), fd, offset, left)
-            if n <= 0:
-                raise OSError(f"SSD file of {g.key!r} ended early")  # the header promised more: close
-            offset += n
-            left -= n
-    finally:
-        os.close(fd)
+    start = tier.locate(g.offset, g.key, g.length)
+    if isinstance(start, ErrorCode):
+        return start, 0
+    # MSG_MORE: the header and the first bytes of the value leave in one segment.
+    sock.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, desc.part_length), socket.MSG_MORE)
+    offset, left = start + desc.part_offset, desc.part_length
+    while left:
+        n = os.sendfile(sock.fileno(), tier.data_fd, offset, left)
+        if n <= 0:
+            raise OSError(f"SSD data of {g.key!r} ended early")  # the header promised more: close
+        offset += n
+        left -= n
     return ErrorCode.OK, desc.part_length
 
 

@@ -48,7 +48,7 @@ UNLIMITED_MARGIN = 1.02
 SSD_MARGIN = 1.05
 """The SSD tier holds the working set plus this margin (an object may briefly be on SSD twice while a
 demotion of it is being abandoned, and the per-store split is uneven by a few blocks)."""
-SSD_DRAM_WATERMARKS = ("--eviction-high-watermark", "0.8", "--eviction-target", "0.7",
+SSD_DRAM_WATERMARKS = ("--eviction-high-watermark", "0.7", "--eviction-target", "0.6",
                        "--demote-max-pending", "0.5", "--eviction-interval-s", "0.01")
 """DRAM with an SSD tier: demote in the background early enough that puts never wait for a demotion."""
 
@@ -98,8 +98,9 @@ def plan_cluster(capacity_tokens: int | None, block_bytes: int, stores: int, wor
     ssd_blocks = capacity_blocks(ssd_tokens) if ssd_tokens is not None else working_set
     assert ssd_blocks is not None
     ssd_share = _split(int(ssd_blocks * SSD_MARGIN) + MIN_SLACK_BLOCKS * stores, stores, block_bytes)
-    args = (*SSD_DRAM_WATERMARKS, "--eviction-sample-factor", "0",
-            "--ssd-high-watermark", "1.0", "--ssd-eviction-target", "0.99")
+    # The default sampled LRU: a DRAM victim is demoted, not lost, so exact ranking buys little, and a full
+    # scan would also walk every SSD-only object on each pass.
+    args = (*SSD_DRAM_WATERMARKS, "--ssd-high-watermark", "1.0", "--ssd-eviction-target", "0.99")
     return ClusterPlan(dram, ssd_share, args)
 
 
@@ -155,7 +156,8 @@ class TracePoolFactory:
             self.notes["pool_stats_error"] = str(exc)
             return
         self.notes.update(pool_objects=stats.objects, pool_evictions=stats.evictions)
-        for name in ("demotions", "promotions", "dram_dropped", "ssd_used_bytes", "ssd_evictions"):
+        for name in ("demotions", "promotions", "dram_dropped", "dram_dropped_urgent", "ssd_used_bytes",
+                     "ssd_evictions", "demote_failures"):
             if name in stats.extra:
                 self.notes[f"pool_{name}"] = int(stats.extra[name])
 

@@ -25,9 +25,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvpool.tools.bench_transfer", "put/get GB/s against the raw loopback TCP ceiling"),
     "trace": ("kvpool.tools.bench_trace_pool",
               "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
+    "placement": ("kvpool.tools.bench_placement", "allocator utilisation; how fast a new store fills up"),
     "failover": ("kvpool.tools.bench_failover", "kill the leader master under load: recovery time and objects kept"),
     "metadata": ("kvpool.tools.bench_metadata", "master hot path: exists/prefix/get-replicas rates, framed vs gRPC"),
     "master-memory": ("kvpool.tools.bench_metadata:memory", "master RSS per object at N objects, lookup speed"),
+    "soak": ("kvpool.tools.bench_soak", "client processes, mixed checked workload, a store restart: errors, RSS"),
 }
 
 
@@ -56,7 +58,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
             print(f"a local cluster is already running in {base} (kvpool local down first)", file=sys.stderr)
             return 1
         cluster = lc.LocalCluster(stores=args.stores, store_size=args.size, base_dir=base, ha=args.ha,
-                                  master_args=tuple(args.master_arg), store_args=tuple(args.store_arg)).start()
+                                  master_args=tuple(args.master_arg), store_args=tuple(args.store_arg),
+                                  token_file=args.token_file).start()
         doc = cluster.status()
         if args.json:
             print(json.dumps(doc))
@@ -65,6 +68,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
             for p in doc["processes"]:
                 print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']}  {p['node']}")
             print(f"\nconnect with:  export KVPOOL_MASTER={doc['master']}")
+            if args.token_file:
+                print(f"               export KVPOOL_TOKEN_FILE={Path(args.token_file).resolve()}")
         return 0
     if args.action == "status":
         doc = lc.load_status(base)
@@ -130,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--json", action="store_true", help="print JSON")
     local.add_argument("--master-arg", action="append", default=[], help="extra argument for each master")
     local.add_argument("--store-arg", action="append", default=[], help="extra argument for each store")
+    local.add_argument("--token-file", default="", help="require this cluster token on every plane (masters and "
+                                                         "stores get it; clients read KVPOOL_TOKEN_FILE)")
     local.set_defaults(func=_cmd_local)
 
     from kvpool.tools import demo

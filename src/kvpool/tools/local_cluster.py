@@ -33,6 +33,7 @@ class ProcInfo:
     log: str = ""
     endpoints: dict[str, Any] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: kept on restart
 
 
 def default_dir() -> Path:
@@ -72,7 +73,7 @@ class LocalCluster:
     def __init__(self, stores: int = 2, store_size: str = "256MiB", base_dir: str | Path | None = None,
                  master_args: tuple[str, ...] = (), store_args: tuple[str, ...] = (), ha: bool = False,
                  masters: int = 3, nodes: list[str] | None = None, env: dict[str, str] | None = None,
-                 cluster: str = "", etcd_endpoints: list[str] | None = None) -> None:
+                 cluster: str = "", etcd_endpoints: list[str] | None = None, token_file: str = "") -> None:
         self.base_dir = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.num_stores = stores
@@ -90,6 +91,9 @@ class LocalCluster:
         self._counter = 0
         self.etcd: Any = None
         self._external_etcd = list(etcd_endpoints or [])
+        # A cluster that requires this token: masters and stores get --token-file (clients read it from
+        # KVPOOL_TOKEN_FILE or token_file=).
+        self.token_file = str(Path(token_file).resolve()) if token_file else ""
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -132,18 +136,18 @@ class LocalCluster:
         self.etcd = EtcdCluster(1, self.base_dir / "etcd")
         self.processes.append(ProcInfo("etcd", "etcd-0", self.etcd.member_pid(0), self.etcd.endpoints[0]))
 
-    def _spawn(self, role: str, args: list[str], timeout: float) -> ProcInfo:
+    def _spawn(self, role: str, args: list[str], timeout: float, prefix: tuple[str, ...] = ()) -> ProcInfo:
         name = f"{role}-{self._counter}"
         self._counter += 1
         ready = self.base_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.base_dir / f"{name}.log"
-        cmd = _cli(role, *args, "--ready-file", str(ready))
+        cmd = [*prefix, *_cli(role, *args, "--ready-file", str(ready))]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self.env, start_new_session=True)
         self._popen[proc.pid] = proc
-        info = ProcInfo(role, name, proc.pid, "", log=str(log_path), args=args)
+        info = ProcInfo(role, name, proc.pid, "", log=str(log_path), args=args, prefix=list(prefix))
         self.processes.append(info)
         deadline = time.monotonic() + timeout
         while not ready.exists() or not ready.read_text():
@@ -158,19 +162,26 @@ class LocalCluster:
         info.node = info.endpoints.get("node", "")
         return info
 
-    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0) -> ProcInfo:
-        args = ["--host", "127.0.0.1", "--port", "0", "--cluster", self.cluster, *self.master_args, *extra]
+    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0,
+                   prefix: tuple[str, ...] = ()) -> ProcInfo:
+        args = ["--host", "127.0.0.1", "--port", "0", "--cluster", self.cluster, *self._token_args(),
+                *self.master_args, *extra]
         if self.ha:
             args += ["--etcd", ",".join(self.etcd_endpoints)]
-        return self._spawn("master", args, timeout)
+        return self._spawn("master", args, timeout, prefix)
+
+    def _token_args(self) -> list[str]:
+        return ["--token-file", self.token_file] if self.token_file else []
 
     def add_store(self, size: str | None = None, node: str = "", extra: tuple[str, ...] = (),
-                  timeout: float = 60.0) -> ProcInfo:
+                  timeout: float = 60.0, prefix: tuple[str, ...] = ()) -> ProcInfo:
+        """Start a store; ``prefix`` wraps its command line (``ip netns exec NS``: a store on another
+        "host")."""
         args = ["--master", self.master, "--size", size or self.store_size, "--host", "127.0.0.1",
-                "--cluster", self.cluster, *self.store_args, *extra]
+                "--cluster", self.cluster, *self._token_args(), *self.store_args, *extra]
         if node:
             args += ["--node", node]
-        info = self._spawn("store", args, timeout)
+        info = self._spawn("store", args, timeout, prefix)
         self.save()
         return info
 
@@ -207,7 +218,7 @@ class LocalCluster:
     def restart(self, info: ProcInfo, timeout: float = 60.0) -> ProcInfo:
         """Start a process of the same role with the same arguments (a restarted master or store)."""
         self.processes.remove(info)
-        new = self._spawn(info.role, [a for a in info.args], timeout)
+        new = self._spawn(info.role, [a for a in info.args], timeout, tuple(info.prefix))
         self.save()
         return new
 

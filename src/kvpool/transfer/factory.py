@@ -41,7 +41,8 @@ def make_transports(node: str, prefer_rdma: bool, *, use_shm: bool = False, verb
                                    max_mr_bytes=max_mr_bytes, token=token)
         if rdma is not None:
             transports.append(rdma)
-    transports.append(TcpTransport(connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes))
+    transports.append(TcpTransport(connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes,
+                                   token=token))
     return transports
 
 

@@ -36,8 +36,12 @@ class TransportSet:
                 pass
             else:
                 transports.append(ShmTransport(node))
+        from kvpool.common.auth import load_token
+
+        # The cluster token opens every data-plane connection (HELLO), as it opens the master's.
         transports.append(TcpTransport(connections_per_endpoint=config.connections_per_store,
-                                       stripe_bytes=config.stripe_bytes))
+                                       stripe_bytes=config.stripe_bytes,
+                                       token=load_token(getattr(config, "token_file", ""))))
         return cls(transports, node)
 
     def order(self, replicas: list[Replica]) -> list[Replica]:

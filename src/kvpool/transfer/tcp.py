@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.common.clock import Deadline
@@ -106,12 +106,15 @@ class FrameReader:
     Small reads (headers, descriptors) go through a read-ahead buffer, so a header plus a small payload,
     or several pipelined small requests, cost one syscall. Large payloads are received straight into the
     destination (only what was already read ahead, at most ``READ_AHEAD`` bytes, is copied).
+    ``before_recv``, if set, runs before every receive syscall (the client re-arms its deadline there).
     """
 
-    __slots__ = ("sock", "_buf", "_view", "_start", "_end")
+    __slots__ = ("sock", "before_recv", "_buf", "_view", "_start", "_end")
 
-    def __init__(self, sock: socket.socket, size: int = READ_AHEAD) -> None:
+    def __init__(self, sock: socket.socket, size: int = READ_AHEAD,
+                 before_recv: Callable[[], None] | None = None) -> None:
         self.sock = sock
+        self.before_recv = before_recv
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -144,6 +147,8 @@ class FrameReader:
             self._view[:tail] = self._view[self._start:self._end]
             self._start, self._end = 0, tail
         while self._end - self._start < n:
+            if self.before_recv is not None:
+                self.before_recv()
             got = self.sock.recv_into(self._view[self._end:], len(self._buf) - self._end)
             if got == 0:
                 raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
@@ -155,7 +160,7 @@ class FrameReader:
         if take:
             dest[:take] = self._view[self._start:self._start + take]
             self._start += take
-        recv_all_into(self.sock, dest[take:])
+        recv_all_into(self.sock, dest[take:], self.before_recv)
 
     def skip(self, n: int, scratch: memoryview) -> None:
         """Consume and discard ``n`` bytes (the payload of a rejected request) through ``scratch``."""
@@ -164,30 +169,37 @@ class FrameReader:
         n -= take
         while n > 0:
             chunk = min(n, len(scratch))
-            recv_all_into(self.sock, scratch[:chunk])
+            recv_all_into(self.sock, scratch[:chunk], self.before_recv)
             n -= chunk
 
 
-def recv_all_into(sock: socket.socket, view: memoryview) -> None:
-    """``recv_into`` until ``view`` is full (MSG_WAITALL: usually one syscall). EOF -> CONNECTION_FAILED."""
+def recv_all_into(sock: socket.socket, view: memoryview, before: Callable[[], None] | None = None) -> None:
+    """``recv_into`` until ``view`` is full (MSG_WAITALL: usually one syscall). EOF -> CONNECTION_FAILED.
+
+    ``before`` runs before each syscall: a receive cut short by the kernel timeout is continued under a
+    re-armed (shorter) timeout, so a trickling peer cannot stretch a deadline.
+    """
     while view:
+        if before is not None:
+            before()
         got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if got == 0:
             raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
         view = view[got:]
 
 
-def send_all(sock: socket.socket, frame: bytes, payload: memoryview | None = None) -> None:
-    """Send ``frame`` then ``payload`` in one ``sendmsg`` (payload not copied), looping on short sends."""
-    if payload is None or not payload:
-        sock.sendall(frame)
-        return
-    sent = sock.sendmsg([frame, payload])
-    if sent < len(frame):
-        sock.sendall(memoryview(frame)[sent:])
-        sent = len(frame)
-    if sent - len(frame) < len(payload):
-        sock.sendall(payload[sent - len(frame):])
+def send_all(sock: socket.socket, frame: bytes, payload: memoryview | None = None,
+             before: Callable[[], None] | None = None) -> None:
+    """Send ``frame`` then ``payload`` with ``sendmsg`` (the payload is not copied), looping on short sends;
+    ``before`` runs before each syscall (as in :func:`recv_all_into`)."""
+    head = memoryview(frame)
+    body = payload if payload is not None else memoryview(b"")
+    while head or body:
+        if before is not None:
+            before()
+        sent = sock.sendmsg([head, body] if head and body else [head or body])
+        taken = min(sent, len(head))
+        head, body = head[taken:], body[sent - taken:]
 
 
 # ---------------------------------------------------------------------- jobs and batches
@@ -332,6 +344,7 @@ class _Lane:
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
         self._armed: float | None = None  # the io timeout last set on the socket
+        self._at: float | None = None  # the running job's deadline (monotonic), for _rearm
         self._window = 1  # requests in flight, and their payload bytes: set per connection
         self._max_inflight = 1
         self._req_id = 0
@@ -440,6 +453,7 @@ class _Lane:
                 job.fail_rest(ErrorCode.TIMEOUT)
                 return
             reused = self._sock is not None
+            self._at = batch.deadline.at  # what _rearm keeps the socket timeouts within
             try:
                 self._connect(batch.deadline)
                 self._pipeline(job)
@@ -481,10 +495,30 @@ class _Lane:
             if self._current is not None and self._current.batch.cancelled:
                 # cancel() ran while we were connecting and had no socket to shut down
                 raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
-        self._reader = FrameReader(sock)
+        self._reader = FrameReader(sock, before_recv=self._rearm)
         self._armed = None
+        if self._t.token:
+            self._hello(sock, self._reader, deadline)
         self._bound_window(sock)
         self._ep.connected()
+
+    def _hello(self, sock: socket.socket, reader: FrameReader, deadline: Deadline) -> None:
+        """Present the cluster token: the first frame of every connection when one is configured."""
+        token = self._t.token
+        try:
+            self._arm(deadline.at)
+            sock.sendall(HEADER.pack(MAGIC, Op.HELLO, 0, 0, 0, len(token)) + token)
+            magic, op, _flags, status, _rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
+        except BlockingIOError:
+            raise _Broken(ErrorCode.TIMEOUT, f"HELLO to {self._ep.name}: deadline passed") from None
+        except KvPoolError as exc:
+            raise _Broken(exc.code, f"HELLO to {self._ep.name}: {exc.message}") from None
+        except OSError as exc:
+            raise _Broken(ErrorCode.CONNECTION_FAILED, f"HELLO to {self._ep.name}: {exc}") from None
+        if magic != MAGIC or op != Op.HELLO or length:
+            raise _Broken(ErrorCode.BAD_FRAME, f"bad HELLO reply from {self._ep.name}")
+        if status != 0:
+            raise _Broken(as_code(status), f"{self._ep.name} refused the cluster token")
 
     def _bound_window(self, sock: socket.socket) -> None:
         """Size the pipeline to this connection's real buffers (the kernel may grant less than asked).
@@ -522,6 +556,10 @@ class _Lane:
             set_io_timeout(self._sock_or_raise(), remaining)
             self._armed = remaining
 
+    def _rearm(self) -> None:
+        """Before every blocking syscall: a call cut short by the timeout continues under a shorter one."""
+        self._arm(self._at)
+
     def _sock_or_raise(self) -> socket.socket:
         sock = self._sock
         if sock is None:
@@ -533,7 +571,6 @@ class _Lane:
         sock = self._sock_or_raise()
         reader = self._reader
         assert reader is not None
-        at = job.batch.deadline.at
         parts = job.parts
         window = self._window
         max_bytes = self._max_inflight
@@ -550,14 +587,13 @@ class _Lane:
                                      or inflight_bytes + len(part.view) > max_bytes):
                         break
                     self._req_id += 1
-                    self._arm(at)
-                    send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None)
+                    send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None,
+                             self._rearm)
                     inflight.append((self._req_id, part))
                     inflight_bytes += len(part.view)
                     next_send += 1
                 req_id, part = inflight.popleft()
                 inflight_bytes -= len(part.view)
-                self._arm(at)
                 job.codes.append(self._receive(reader, req_id, part))
                 job.done += 1
         except BlockingIOError:
@@ -574,6 +610,8 @@ class _Lane:
         if magic != MAGIC:
             raise _Broken(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x} from {self._ep.name}")
         code = ErrorCode.OK if status == 0 else as_code(status)
+        if _op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
+            raise _Broken(code, f"store {self._ep.name} requires the cluster token")
         if code in _CLOSING_CODES:
             raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
         if rid != req_id:
@@ -678,7 +716,8 @@ class TcpTransport(Transport):
 
     def __init__(self, connections_per_endpoint: int = 4, stripe_bytes: int = 1 << 20,
                  connect_timeout: float = 2.0, window: int = 16, socket_buffer: int = SOCKET_BUFFER,
-                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int = 2 << 20) -> None:
+                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int = 2 << 20,
+                 token: bytes = b"") -> None:
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
                               "connections_per_endpoint, stripe_bytes and window must be >= 1")
@@ -691,6 +730,8 @@ class TcpTransport(Transport):
         self.connect_timeout = connect_timeout
         self.socket_buffer = socket_buffer
         self.reconnect_cooldown_s = reconnect_cooldown_s
+        self.token = token
+        """The cluster token, sent in a HELLO first on every new connection when set."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False

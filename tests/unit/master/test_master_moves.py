@@ -190,6 +190,8 @@ def test_moves_per_store_are_bounded_and_handed_out_to_their_target_store() -> N
     engine = MoveEngine(c.state, max_per_store=4)
     plan = engine.plan_moves(100, {1})
     assert len(plan.tasks) == 8  # 4 for each of the two target stores
+    assert plan.busy
+    assert plan.no_room == 0  # busy stores are not a lack of room (no STALLED, no retire-only)
     assert engine.pending_for("store2") == 4
     got = engine.take_tasks("store2", 3)
     assert len(got) == 3
@@ -486,3 +488,35 @@ def test_rebalance_respects_max_moves() -> None:
     st = m.rebalance_status()
     assert (st.state, st.objects_moved) == ("DONE", 7)
     assert "max moves" in st.message
+
+
+def test_ssd_tier_replicas_are_drained_too() -> None:
+    # Mooncake's drain skips its LOCAL_DISK replicas (issue #2817); here an SSD replica is a replica.
+    from kvpool.master.types import InventoryItem
+
+    c = Cluster(segments={1: MiB, 2: MiB}, nodes={11: "node1"}, stores={11: "store1"})
+    assert c.put("both", size=4 * KiB, preferred_segments=[1]) == [OK]
+    ssd = [InventoryItem("ssd-only", 0, 4 * KiB, checksum_of("ssd-only"), tier=1),
+           InventoryItem("both", 4 * KiB, 4 * KiB, checksum_of("both"), tier=1)]
+    assert c.mount(11, MiB, ssd, tier=1, shm_path="").adopted == 2
+    assert sorted(on(c, "both")) == [1, 11]
+    drain(c, 1, 11)
+    engine = MoveEngine(c.state)
+    plan = engine.plan_moves(10, {1, 11})
+    by_key = {t.key: t for t in plan.tasks}
+    assert set(by_key) == {"both", "ssd-only"}
+    # The SSD-only object is read from the SSD tier (the grant says so); "both" from its DRAM copy.
+    assert (by_key["ssd-only"].source.segment_id, by_key["ssd-only"].source.tier) == (11, 1)
+    assert (by_key["both"].source.segment_id, by_key["both"].source.tier) == (1, 0)
+    assert {t.target.segment_id for t in plan.tasks} == {2}
+    finish_all(engine, plan.tasks)
+    # The SSD copy of "both" is the tier's cache of an object that now lives elsewhere: retired, not copied.
+    again = engine.plan_moves(10, {1, 11})
+    assert (again.tasks, again.retired) == ([], 1)
+    assert on(c, "both") == [2]
+    assert on(c, "ssd-only") == [2]
+    assert c.used(1) == c.used(11) == 0
+    # Freed SSD ranges become DELETE tasks for the store's SSD files.
+    deletes = [t for t in c.state.tiers.exchange("store1", [], 100)[1] if t.kind == 3]
+    assert sorted(t.dst_offset for t in deletes) == [0, 4 * KiB]
+    c.check()

@@ -1,4 +1,4 @@
-"""The store's SSD tier: file format round trip, restart re-adoption, bad files skipped, the tier worker,
+"""The store's SSD tier: journal format round trip, restart re-adoption, bad entries skipped, the tier worker,
 and SSD reads over a socket (store/ssd.py, store/tiering.py)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.proto.frames import HEADER, TransferDesc
 from kvpool.store.inventory import Inventory, InventoryEntry
 from kvpool.store.segment import ShmSegment
-from kvpool.store.ssd import SsdEntry, SsdTier, encode_header, parse_header
+from kvpool.store.ssd import DELETE, FILE_MAGIC, PUT, SsdEntry, SsdScan, SsdTier, encode_record, parse_records
 from kvpool.store.tiering import TierWorker, serve_tier_read
 
 CAP = 1 << 20
@@ -43,16 +43,18 @@ def tier(tmp_path: Path) -> Any:
 # ====================================================================== format
 
 
-def test_header_round_trip_and_damage_is_detected() -> None:
-    raw = encode_header(b"key/1", 4096, 1000, 77)
-    entry, start = parse_header(raw + b"value")  # type: ignore[misc]
-    assert entry == SsdEntry(b"key/1", 4096, 1000, 77)
-    assert start == len(raw)
-    damaged = bytearray(raw)
-    damaged[-10] ^= 1
-    assert parse_header(bytes(damaged)) == "header digest mismatch"
-    assert parse_header(raw[:20]) == "truncated header"
-    assert parse_header(b"X" * len(raw)) == "bad magic"
+def test_record_round_trip_and_damage_is_detected() -> None:
+    rec = encode_record(PUT, b"key/1", 4096, 1000, 77) + encode_record(DELETE, b"", 4096, 1000, 0)
+    records, damaged_at, _ = parse_records(FILE_MAGIC + rec)
+    assert damaged_at is None
+    assert records == [(PUT, SsdEntry(b"key/1", 4096, 1000, 77)), (DELETE, SsdEntry(b"", 4096, 1000, 0))]
+    flipped = bytearray(FILE_MAGIC + rec)
+    flipped[len(FILE_MAGIC) + 12] ^= 1
+    assert parse_records(bytes(flipped))[1:] == (len(FILE_MAGIC), "record digest mismatch")
+    torn = FILE_MAGIC + rec[:-3]
+    records, damaged_at, why = parse_records(torn)
+    assert (len(records), why) == (1, "truncated record")
+    assert parse_records(b"garbage!" + rec)[1:] == (0, "not a journal (bad file header)")
 
 
 def test_write_then_read_back(tier: SsdTier) -> None:
@@ -63,10 +65,11 @@ def test_write_then_read_back(tier: SsdTier) -> None:
     dest = bytearray(5000)
     assert tier.read_into(8192, b"a", memoryview(dest), checksum(data)) == E.OK
     assert bytes(dest) == data
-    # The file must hold the grant's key and length.
+    # The entry must be the grant's key and length.
     assert tier.read_into(8192, b"b", memoryview(dest), checksum(data)) == E.OBJECT_NOT_FOUND
-    assert tier.open_value(8192, b"a", 4999) == E.OBJECT_NOT_FOUND
-    assert tier.open_value(0, b"a", 5000) == E.OBJECT_NOT_FOUND
+    assert tier.locate(8192, b"a", 4999) == E.OBJECT_NOT_FOUND
+    assert tier.locate(0, b"a", 5000) == E.OBJECT_NOT_FOUND
+    assert tier.locate(8192, b"a", 5000) == 8192
 
 
 def test_write_verifies_the_checksum_and_the_bounds(tier: SsdTier) -> None:
@@ -74,7 +77,6 @@ def test_write_verifies_the_checksum_and_the_bounds(tier: SsdTier) -> None:
     assert tier.write(0, b"a", memoryview(data), checksum(data) ^ 1) == E.CHECKSUM_MISMATCH
     assert put(tier, CAP - 50, b"a", data) == E.OUT_OF_BOUNDS
     assert len(tier) == 0
-    assert list(tier.directory.glob("*.kvs")) == []
 
 
 def test_a_new_object_replaces_what_it_overlaps_and_delete_forgets(tier: SsdTier) -> None:
@@ -82,7 +84,6 @@ def test_a_new_object_replaces_what_it_overlaps_and_delete_forgets(tier: SsdTier
     assert put(tier, 128, b"b", value(100)) == E.OK
     assert put(tier, 64, b"c", value(100, 1)) == E.OK  # overlaps both
     assert [e.key for e in tier.entries()] == [b"c"]
-    assert sorted(p.name for p in tier.directory.glob("*.kvs")) == [f"{64:016x}.kvs"]
     assert put(tier, 64, b"d", value(100, 2)) == E.OK  # same range: replaced
     assert [e.key for e in tier.entries()] == [b"d"]
     assert tier.delete(64)
@@ -98,67 +99,103 @@ def test_a_second_store_cannot_use_the_same_directory(tier: SsdTier) -> None:
 # ====================================================================== restart
 
 
-def test_a_restart_re_adopts_every_object(tmp_path: Path) -> None:
+def reopen(path: Path, capacity: int = CAP) -> tuple[SsdTier, SsdScan]:
+    tier = SsdTier(path, capacity)
+    return tier, tier.scan()
+
+
+def test_a_restart_re_adopts_every_live_object(tmp_path: Path) -> None:
     first = SsdTier(tmp_path / "ssd", CAP)
     objects = {i * 4096: (f"key-{i}".encode(), value(1000 + i, i)) for i in range(20)}
     for offset, (key, data) in objects.items():
         assert put(first, offset, key, data) == E.OK
+    assert first.delete(0)
+    assert put(first, 4096, b"again", value(1001, 99)) == E.OK  # replaces key-1
     first.close()
-    second = SsdTier(tmp_path / "ssd", CAP)
-    scan = second.scan()
-    assert (scan.adopted, scan.dropped, scan.temporaries) == (20, [], 0)
-    assert [(e.offset, e.key) for e in second.entries()] == [(o, k) for o, (k, _) in sorted(objects.items())]
-    key, data = objects[4096]
+    second, scan = reopen(tmp_path / "ssd")
+    assert (scan.adopted, scan.dropped, scan.damaged_at) == (19, [], None)
+    keys = [e.key for e in second.entries()]
+    assert keys[0] == b"again" and b"key-0" not in keys and b"key-1" not in keys
+    key, data = objects[8192]
     dest = bytearray(len(data))
-    assert second.read_into(4096, key, memoryview(dest), checksum(data)) == E.OK
+    assert second.read_into(8192, key, memoryview(dest), checksum(data)) == E.OK
     assert bytes(dest) == data
+    # The journal was compacted to the live entries.
+    assert second.journal_bytes < (tmp_path / "ssd" / "journal.kvs").stat().st_size + 1
     second.close()
+    third, scan = reopen(tmp_path / "ssd")
+    assert scan.adopted == 19
+    third.close()
 
 
-def test_corrupt_truncated_and_foreign_files_are_skipped_with_a_log_line(
+def test_corrupt_and_truncated_objects_are_skipped_with_a_log_line(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    first = SsdTier(tmp_path / "ssd", CAP)
+    d = tmp_path / "ssd"
+    first = SsdTier(d, CAP)
     for i in range(6):
         assert put(first, i * 4096, f"k{i}".encode(), value(2000, i)) == E.OK
     first.close()
-    d = tmp_path / "ssd"
-
-    def path(i: int) -> Path:
-        return d / f"{i * 4096:016x}.kvs"
-
-    raw = bytearray(path(1).read_bytes())
-    raw[-1] ^= 0xFF  # a flipped value byte
-    path(1).write_bytes(raw)
-    path(2).write_bytes(path(2).read_bytes()[:-100])  # truncated value
-    path(3).write_bytes(path(3).read_bytes()[:30])  # truncated header
-    os.rename(path(4), d / f"{9 * 4096:016x}.kvs")  # a file whose name disagrees with its header
-    (d / f"{7 * 4096:016x}.kvs.tmp").write_bytes(b"half a write")
-    (d / "notes.txt").write_text("not ours")
+    with open(d / "data.kvs", "r+b") as f:  # a flipped value byte in k1
+        f.seek(4096 + 7)
+        byte = f.read(1)
+        f.seek(4096 + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.truncate(d / "data.kvs", 5 * 4096 + 1000)  # k5 lost its tail
     caplog.set_level(logging.WARNING, logger="kvpool.store.ssd")
-    second = SsdTier(d, CAP)
-    scan = second.scan()
-    assert scan.adopted == 2
-    assert scan.temporaries == 1
-    reasons = dict(scan.dropped)
-    assert reasons[path(1).name] == "value checksum mismatch"
-    assert reasons[path(2).name].startswith("truncated")
-    assert reasons[path(3).name] == "truncated header"
-    assert reasons[f"{9 * 4096:016x}.kvs"].startswith("header says offset")
-    assert [e.key for e in second.entries()] == [b"k0", b"k5"]
-    for name in reasons:
-        assert f"dropping {d / name}" in caplog.text
-        assert not (d / name).exists()
-    assert (d / "notes.txt").exists()
+    second, scan = reopen(d)
+    assert scan.adopted == 4
+    assert dict(scan.dropped) == {4096: "value checksum mismatch",
+                                  5 * 4096: f"data file truncated ({5 * 4096 + 1000} bytes)"}
+    assert [e.key for e in second.entries()] == [b"k0", b"k2", b"k3", b"k4"]
+    assert "dropping b'k1' at offset 4096: value checksum mismatch" in caplog.text
+    assert "dropping b'k5'" in caplog.text
     second.close()
+    third, scan = reopen(d)  # the dropped entries are gone from the journal for good
+    assert (scan.adopted, scan.dropped) == (4, [])
+    third.close()
+
+
+def test_a_torn_journal_keeps_the_records_before_the_damage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tmp_path / "ssd"
+    first = SsdTier(d, CAP)
+    for i in range(3):
+        assert put(first, i * 4096, f"k{i}".encode(), value(100, i)) == E.OK
+    first.close()
+    journal = d / "journal.kvs"
+    journal.write_bytes(journal.read_bytes()[:-5])  # the last record is torn (a crash mid-append)
+    caplog.set_level(logging.WARNING, logger="kvpool.store.ssd")
+    second, scan = reopen(d)
+    assert scan.adopted == 2 and scan.damaged_at is not None
+    assert "damaged at byte" in caplog.text
+    second.close()
+    journal.write_bytes(b"not a journal at all")
+    third, scan = reopen(d)
+    assert (scan.adopted, scan.damaged_at) == (0, 0)
+    third.close()
 
 
 def test_entries_beyond_a_smaller_tier_are_dropped(tmp_path: Path) -> None:
     first = SsdTier(tmp_path / "ssd", CAP)
     assert put(first, CAP - 4096, b"far", value(1000)) == E.OK
+    assert put(first, 0, b"near", value(1000)) == E.OK
     first.close()
-    second = SsdTier(tmp_path / "ssd", CAP // 2)
-    assert second.scan().adopted == 0
+    second, scan = reopen(tmp_path / "ssd", CAP // 2)
+    assert scan.adopted == 1 and scan.dropped[0][1].startswith("range")
+    assert (tmp_path / "ssd" / "data.kvs").stat().st_size == CAP // 2
     second.close()
+
+
+def test_the_journal_is_compacted_at_run_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvpool.store.ssd.COMPACT_MIN_BYTES", 4096)
+    tier = SsdTier(tmp_path / "ssd", CAP)
+    for round_ in range(50):
+        assert put(tier, 0, f"k{round_}".encode(), value(100, round_)) == E.OK
+    assert tier.journal_bytes < 4096 + 200
+    tier.close()
+    again, scan = reopen(tmp_path / "ssd")
+    assert [e.key for e in again.entries()] == [b"k49"]
+    again.close()
 
 
 # ====================================================================== the tier worker

@@ -1,0 +1,110 @@
+"""The SSD tier with real processes: demotion past the DRAM size, reads from SSD with the right bytes,
+promotion after repeated reads, and re-adoption of the SSD objects when the store restarts."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.client import PoolClient
+from kvpool.common.clock import Deadline
+from kvpool.proto import frames
+from kvpool.proto import master_pb2 as pb
+from kvpool.tools.local_cluster import LocalCluster
+from tests.support.cluster import FAST_MASTER, client, wait_for
+
+pytestmark = pytest.mark.integration
+
+PAGE = 4096
+DRAM = 1 << 20  # 256 pages
+TIER_MASTER = (*FAST_MASTER, "--eviction-high-watermark", "0.7", "--eviction-target", "0.5",
+               "--demote-max-pending", "0.5")
+
+
+def tier_stats(pool: PoolClient) -> dict[str, float]:
+    return dict(pool.stats().extra)
+
+
+def replica_tiers(pool: PoolClient, keys: list[str]) -> list[list[int]]:
+    """The tiers of each key's readable replicas (an admin read: no lease, no promotion)."""
+    resp = pool._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=keys, no_lease=True),
+                             Deadline(10.0))
+    return [sorted(d.tier for d in r.replicas) for r in resp.results]
+
+
+def below_watermark(pool: PoolClient) -> bool:
+    stats = pool.stats()
+    return stats.used <= 0.7 * stats.capacity and not stats.extra.get("tier_tasks_pending", 0)
+
+
+def fill(pool: PoolClient, values: dict[str, bytes], batch: int = 32) -> None:
+    """Put in batches at a pace demotion keeps up with (a put never waits for a demotion: when DRAM is full
+    it drops the least recently used object instead)."""
+    keys = list(values)
+    for i in range(0, len(keys), batch):
+        part = keys[i:i + batch]
+        assert pool.batch_put(part, [values[k] for k in part]) == [0] * len(part)
+        wait_for(lambda: below_watermark(pool), 10, "demotions to catch up", interval=0.01)
+
+
+@pytest.fixture
+def tiered(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[LocalCluster, Any]:
+    cluster = make_cluster(stores=0, master_args=TIER_MASTER)
+    store = cluster.add_store(size=str(DRAM), extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    return cluster, store
+
+
+def test_objects_past_the_dram_size_are_demoted_read_from_ssd_and_promoted(
+        tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, _ = tiered
+    values = {f"obj-{i}": os.urandom(PAGE) for i in range(600)}  # 2.3x the DRAM
+    keys = list(values)
+    with client(cluster.master) as pool:
+        fill(pool, values)
+        stats = tier_stats(pool)
+        assert stats["demotions"] >= 300
+        assert stats["dram_dropped"] == 0
+        assert stats["ssd_used_bytes"] >= 300 * PAGE
+        assert pool.batch_exists(keys) == [1] * len(keys)  # nothing lost
+        cold = [k for k, tiers in zip(keys, replica_tiers(pool, keys), strict=True) if tiers == [1]]
+        assert len(cold) >= 300
+        # Reads of SSD-only objects: the right bytes, over TCP from the SSD file.
+        sample = cold[:40]
+        assert pool.batch_get(sample) == [values[k] for k in sample]
+        assert tier_stats(pool)["promotions"] == 0
+        # The second read promotes them back to DRAM (still served from SSD meanwhile).
+        assert pool.batch_get(sample) == [values[k] for k in sample]
+        wait_for(lambda: tier_stats(pool)["promotions"] >= len(sample), 10, "promotions")
+        assert all(0 in tiers for tiers in replica_tiers(pool, sample))
+        assert pool.batch_get(sample) == [values[k] for k in sample]
+        assert pool.metrics()["checksum_mismatches"] == 0
+
+
+def test_a_restarted_store_re_adopts_its_ssd_objects(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, store = tiered
+    values = {f"keep-{i}": os.urandom(PAGE) for i in range(500)}
+    keys = list(values)
+    with client(cluster.master) as pool:
+        fill(pool, values)
+        on_ssd = [k for k, tiers in zip(keys, replica_tiers(pool, keys), strict=True) if 1 in tiers]
+        assert len(on_ssd) >= 250
+    cluster.terminate(store)  # SIGTERM: clean shutdown, unmounts both segments
+    with client(cluster.master) as pool:
+        wait_for(lambda: pool.batch_exists(on_ssd[:1]) == [0], 10, "the store's objects to vanish")
+    started = time.monotonic()
+    cluster.restart(store)
+    with client(cluster.master) as pool:
+        wait_for(lambda: sum(pool.batch_exists(on_ssd)) == len(on_ssd), 20, "the SSD objects to come back")
+        assert pool.batch_get(on_ssd) == [values[k] for k in on_ssd]
+        assert all(1 in tiers for tiers in replica_tiers(pool, on_ssd))
+        # The new process serves new puts and keeps demoting.
+        more = {f"after-{i}": os.urandom(PAGE) for i in range(300)}
+        fill(pool, more)
+        assert pool.batch_exists(list(more)) == [1] * len(more)
+        assert pool.batch_get(on_ssd[:20]) == [values[k] for k in on_ssd[:20]]
+    assert time.monotonic() - started < 30
