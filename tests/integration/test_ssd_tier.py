@@ -32,8 +32,8 @@ def tier_stats(pool: PoolClient) -> dict[str, float]:
 
 def replica_tiers(pool: PoolClient, keys: list[str]) -> list[list[int]]:
     """The tiers of each key's readable replicas (an admin read: no lease, no promotion)."""
-    resp = pool._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=keys, no_lease=True),
-                             Deadline(10.0))
+    request = pb.BatchGetReplicasRequest(keys=keys, no_lease=True)
+    resp = pool._master.call(frames.Op.BATCH_GET_REPLICAS, request, Deadline(10.0))
     return [sorted(d.tier for d in r.replicas) for r in resp.results]
 
 
@@ -55,7 +55,8 @@ def fill(pool: PoolClient, values: dict[str, bytes], batch: int = 32) -> None:
 @pytest.fixture
 def tiered(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[LocalCluster, Any]:
     cluster = make_cluster(stores=0, master_args=TIER_MASTER)
-    store = cluster.add_store(size=str(DRAM), extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    ssd = ("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB")
+    store = cluster.add_store(size=str(DRAM), extra=ssd)
     return cluster, store
 
 

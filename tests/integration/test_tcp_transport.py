@@ -20,6 +20,7 @@ import pytest
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, make_grant, new_secret
+from kvpool.proto.frames import HEADER, MAGIC, Op
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
@@ -354,6 +355,51 @@ def test_a_server_that_never_answers_gives_timeout_by_the_deadline(transport: Tc
         assert transport.ping(s.endpoint, Deadline(0.2)) == ErrorCode.TIMEOUT
     finally:
         silent.close()
+
+
+class TricklingServer:
+    """Answers a READ with an OK header, then one payload byte every 20 ms: a peer that makes progress
+    slowly must not stretch the deadline (each blocking call is re-armed to the time left)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = conn.recv(28, socket.MSG_WAITALL)
+            _magic, _op, _flags, _status, req_id, length = HEADER.unpack(head)
+            conn.recv(length, socket.MSG_WAITALL)
+            conn.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, 1 << 20))
+            while not self.stop.wait(0.02):
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+        self.thread.join()
+
+
+def test_a_trickling_peer_cannot_stretch_the_deadline(threads_settle: None) -> None:
+    server = TricklingServer()
+    t = TcpTransport(connections_per_endpoint=1)
+    try:
+        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
+        buf = bytearray(1 << 20)
+        t0 = time.monotonic()
+        assert t.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(0.5)) == \
+            [ErrorCode.TIMEOUT]
+        assert time.monotonic() - t0 < 0.9
+    finally:
+        t.close()
+        server.close()
 
 
 def test_wait_with_a_shorter_deadline_cancels_and_leaves_the_buffer_alone(transport: TcpTransport,

@@ -59,7 +59,8 @@ def test_3m_tokens_random_routing_pool_is_within_a_point_of_the_oracle(
 
 
 @needs_trace
-def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(capsys: pytest.CaptureFixture[str]) -> None:
+def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
+        capsys: pytest.CaptureFixture[str]) -> None:
     ws_tokens = _working_set_tokens(PREFIX)
     r = bench(capsys, "--capacity", str(ws_tokens // 10), "--ssd")
     assert r["pool_demotions"] > 0

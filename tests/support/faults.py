@@ -37,6 +37,8 @@ class DelayProxy:
         self.delay_s = delay_s
         self.stall = False
         self.connections = 0
+        self.pending = 0  # chunks read and not yet forwarded
+        self.active = 0  # directions (two per connection) still open
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -74,9 +76,14 @@ class DelayProxy:
         """Read chunks as they come and forward each once ``delay_s`` has passed since it arrived."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         sender = asyncio.ensure_future(self._send(queue, dst))
+        self.active += 1
         try:
             while True:
-                data = await src.read(self.CHUNK)
+                try:
+                    data = await src.read(self.CHUNK)
+                except OSError:
+                    data = b""  # a reset: forward what was read, then end this direction
+                self.pending += 1
                 await queue.put((time.monotonic() + self.delay_s, data))
                 if not data:
                     break
@@ -84,6 +91,7 @@ class DelayProxy:
         except (OSError, asyncio.CancelledError):
             sender.cancel()
         finally:
+            self.active -= 1
             dst.close()
 
     async def _send(self, queue: asyncio.Queue[tuple[float, bytes]], dst: asyncio.StreamWriter) -> None:
@@ -91,6 +99,7 @@ class DelayProxy:
             due, data = await queue.get()
             while self.stall or time.monotonic() < due:
                 await asyncio.sleep(max(0.001, min(0.05, due - time.monotonic())))
+            self.pending -= 1
             if not data:
                 with contextlib.suppress(OSError):
                     dst.write_eof()

@@ -582,7 +582,7 @@ class EngineClient:
             if any(c != 0 for c in codes):
                 ok = False
                 self._last_writeback_error = ", ".join(sorted({strerror(c) for c in codes if c != 0}))
-                log.warning("write-back of %d objects failed: %s", len(codes), self._last_writeback_error)
+                log.debug("write-back of %d objects failed: %s", len(codes), self._last_writeback_error)
                 break  # the master or a store is in trouble: do not push the rest into it
         self._metrics.add(writeback_done=int(ok), writeback_failed=int(not ok),
                           writeback_bytes=task.nbytes if ok else 0,

@@ -49,6 +49,7 @@ from kvpool.master.objects import (
     ReplicaStatus,
 )
 from kvpool.master.placement import PlacementPolicy, make_placement
+from kvpool.master.quarantine import RangeQuarantine
 from kvpool.master.segments import Segment, SegmentInfo, SegmentStatus, SegmentTable
 from kvpool.master.shards import Shard, ShardMap, StripedLocks, shard_index
 from kvpool.master.tiering import TierManager
@@ -181,8 +182,11 @@ class MasterState:
         self._puts = 0
         self._reclaimed = 0
         self._sizes: dict[int, int] = {}
+        # Ranges of revoked puts, held until their WRITE grants are surely dead (master/quarantine.py).
+        self._quarantine = RangeQuarantine()
         # SSD tier (master/tiering.py): inert until a store mounts a tier=1 segment.
-        self.tiers = TierManager(config, clock, self._shards, self._stripes, self._table, self._free_ranges)
+        self.tiers = TierManager(config, clock, self._shards, self._stripes, self._table, self._free_ranges,
+                                 self._quarantine.hold)
 
     @property
     def config(self) -> MasterConfig:
@@ -414,7 +418,10 @@ class MasterState:
                         del shard.processing[key]
                         ranges = self._ranges_of(meta)
                         code = _OK
-                self._free_ranges(ranges)
+                        # Late WRITE bytes of this put may still land: the ranges are reused only once
+                        # its grant has expired (master/quarantine.py), like an abandoned put's.
+                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S,
+                                              ranges)
             codes.append(code)
         return codes
 
@@ -606,6 +613,7 @@ class MasterState:
     def reclaim_abandoned_puts(self) -> int:
         """Free the puts still PROCESSING put_timeout_s + RECLAIM_GRACE_S after they started."""
         cutoff = self._clock.monotonic() - (self._cfg.put_timeout_s + RECLAIM_GRACE_S)
+        self._free_ranges(self._quarantine.due(self._clock.monotonic()))  # revoked puts' ranges, now safe
 
         def abandoned(meta: ObjectMeta) -> bool:
             return not meta.flags & COMPLETE and meta.put_time < cutoff
@@ -737,9 +745,17 @@ class MasterState:
             expected: dict[int, dict[int, int]] = {sid: {} for sid in table.by_id}
             for shard in shards:
                 self._validate_shard(shard, expected)
+            held: dict[int, set[int]] = {}
+            for qseg, qoff in self._quarantine.held():
+                if table.by_id.get(qseg.id) is qseg:
+                    held.setdefault(qseg.id, set()).add(qoff)
             for sid, seg in table.by_id.items():
                 seg.allocator.check()
                 blocks = seg.allocator.allocated_ranges()
+                for qoff in held.get(sid, ()):  # a revoked put's range, still held: allocated, no replica
+                    if qoff in expected[sid]:
+                        raise AssertionError(f"segment {sid}: offset {qoff} reused while quarantined")
+                    expected[sid][qoff] = blocks.get(qoff, -1)
                 if blocks != expected[sid]:
                     missing = set(blocks) - set(expected[sid])
                     extra = set(expected[sid]) - set(blocks)

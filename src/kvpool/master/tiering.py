@@ -72,6 +72,11 @@ HIT_TABLE_LIMIT = 1 << 16
 
 Range = tuple[Segment, int]
 FreeRanges = Callable[[list[Range]], None]
+HoldRanges = Callable[[float, list[Range]], None]
+"""(release time, ranges): keep ranges allocated until then (MasterState's quarantine)."""
+
+ABANDON_GRACE_S = 5.0
+"""After a task is abandoned, how long a range the store could still have been writing stays allocated."""
 
 _COMPLETE = ReplicaStatus.COMPLETE
 _EVICTABLE_MASK = COMPLETE | HARD_PIN
@@ -99,6 +104,9 @@ class TierTask:
     length: int
     checksum: int
     created: float = 0.0
+    deadline_ms: int = 0
+    """Wall clock: the store does not start a DEMOTE/PROMOTE after this. Half the task timeout, so that a
+    task the master abandons can no longer be started by the store."""
     last_access: float = 0.0
     """DEMOTE: the object's last access when it was picked; a later touch keeps its DRAM copy."""
     pending_bytes: int = 0
@@ -211,13 +219,14 @@ class TierManager:
     """The SSD-tier mechanism of one MasterState (see the module docstring). Pure: no I/O, no threads."""
 
     def __init__(self, config: MasterConfig, clock: Clock, shards: ShardMap, stripes: StripedLocks,
-                 table: SegmentTable, free_ranges: FreeRanges) -> None:
+                 table: SegmentTable, free_ranges: FreeRanges, hold_ranges: HoldRanges | None = None) -> None:
         self._cfg = config
         self._clock = clock
         self._shards = shards
         self._stripes = stripes
         self._table = table
         self._free_ranges = free_ranges
+        self._hold_ranges = hold_ranges
         self._lock = threading.Lock()
         self._channels: dict[str, TierChannel] = {}
         self._hits: OrderedDict[str, int] = OrderedDict()
@@ -319,6 +328,7 @@ class TierManager:
                 return False  # SSD full: the SSD eviction (maintain) makes room for later demotions
             task = channel.push_locked(TaskKind.DEMOTE, key, (src.segment_id, src.offset),
                                        (ssd_seg.id, offset), meta.size, meta.checksum, now)
+            task.deadline_ms = self._deadline_ms()
             task.last_access = meta.last_access
             task.pending_bytes = pending
         meta.add_replica(ssd_seg.id, offset, False)
@@ -394,9 +404,13 @@ class TierManager:
                 return False  # DRAM full: stay on SSD (the next reads will try again)
             meta.add_replica(dram_seg.id, offset, False)
             with channel.lock:
-                channel.push_locked(TaskKind.PROMOTE, key, (src.segment_id, src.offset),
-                                    (dram_seg.id, offset), meta.size, meta.checksum, now)
+                task = channel.push_locked(TaskKind.PROMOTE, key, (src.segment_id, src.offset),
+                                           (dram_seg.id, offset), meta.size, meta.checksum, now)
+                task.deadline_ms = self._deadline_ms()
         return True
+
+    def _deadline_ms(self) -> int:
+        return self._clock.wall_ms() + int(self._cfg.tier_task_timeout_s * 500)
 
     # ------------------------------------------------------------------ the store's side of the channel
 
@@ -500,7 +514,12 @@ class TierManager:
                 else:
                     del shard.objects[key]
                 ranges = self._resolve([target])
-            self._free_ranges(ranges)
+            if code == ErrorCode.TIMEOUT and self._hold_ranges is not None:
+                # Abandoned without a word from the store: it cannot start the copy any more (the task's
+                # deadline has passed), but one it started just before may still be writing the range.
+                self._hold_ranges(self._clock.monotonic() + ABANDON_GRACE_S, ranges)
+            else:
+                self._free_ranges(ranges)
         return False
 
     # ------------------------------------------------------------------ periodic

@@ -409,7 +409,7 @@ class SegmentStatusRequest(_message.Message):
     def __init__(self, segment_ids: _Optional[_Iterable[int]] = ..., node: _Optional[str] = ..., status: _Optional[_Union[SegmentStatus, str]] = ...) -> None: ...
 
 class TierTask(_message.Message):
-    __slots__ = ("id", "kind", "key", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum")
+    __slots__ = ("id", "kind", "key", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "deadline_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class TierTask(_message.Message):
     DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: TierTaskKind
     key: str
@@ -428,7 +429,8 @@ class TierTask(_message.Message):
     dst_offset: int
     length: int
     checksum: int
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[TierTaskKind, str]] = ..., key: _Optional[str] = ..., src_segment: _Optional[int] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[int] = ..., dst_offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    deadline_ms: int
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[TierTaskKind, str]] = ..., key: _Optional[str] = ..., src_segment: _Optional[int] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[int] = ..., dst_offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class TierTaskResult(_message.Message):
     __slots__ = ("id", "code")

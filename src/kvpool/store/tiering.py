@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,6 +131,10 @@ class TierWorker(threading.Thread):
 
     def execute(self, task: pb.TierTask) -> ErrorCode:
         """Run one task; never raises."""
+        if task.kind != _KIND_DELETE and task.deadline_ms and time.time() * 1000 > task.deadline_ms:
+            # The master may already have given up on it and reused the ranges: never start it late.
+            self.stats.failed += 1
+            return ErrorCode.TIMEOUT
         try:
             if task.kind == _KIND_DEMOTE:
                 code = self._demote(task)

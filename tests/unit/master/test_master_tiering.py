@@ -65,7 +65,7 @@ def test_eviction_demotes_instead_of_dropping_and_the_store_completes_it() -> No
     # Demoting: readable from DRAM, DRAM still used, and the watermark counts it as free already.
     assert c.present(keys) == keys
     assert tiers_of(c, "k0") == [0]
-    assert c.used(DRAM) == 9 * PAGE and c.used(SSD) == 4 * PAGE
+    assert (c.used(DRAM), c.used(SSD)) == (9 * PAGE, 4 * PAGE)
     assert not c.state.needs_eviction()
     # A demoting object is neither removable nor evictable again.
     assert c.remove("k0") == [E.OBJECT_NOT_READY]
@@ -78,7 +78,7 @@ def test_eviction_demotes_instead_of_dropping_and_the_store_completes_it() -> No
     report(c, [(t, E.OK) for t in demotes])
     assert c.present(keys[:4]) == keys[:4]
     assert tiers_of(c, "k0") == [1]
-    assert c.used(DRAM) == 0 and c.used(SSD) == 4 * PAGE
+    assert (c.used(DRAM), c.used(SSD)) == (0, 4 * PAGE)
     stats = c.state.tiers.stats()
     assert (stats["demotions"], stats["demote_pending_bytes"], stats["dram_dropped"]) == (4, 0, 5)
     assert c.state.stats().ssd_used == 4 * PAGE
@@ -287,7 +287,8 @@ def test_ssd_segments_take_no_puts_and_are_not_dram_capacity() -> None:
         assert c.put(f"p{i}", size=PAGE) == [OK]
     assert c.used(SSD) == 0
     stats = c.state.stats()
-    assert (stats.capacity, stats.ssd_capacity, stats.allocatable_capacity) == (10 * PAGE, 20 * PAGE, 10 * PAGE)
+    assert (stats.capacity, stats.ssd_capacity, stats.allocatable_capacity) == (
+        10 * PAGE, 20 * PAGE, 10 * PAGE)
     assert {s.id: s.tier for s in stats.segments} == {DRAM: 0, SSD: 1}
 
 
@@ -313,3 +314,25 @@ def test_the_replica_status_of_a_demoting_copy_is_processing() -> None:
     replicas = shard.objects["k0"].replica_list()
     assert [(r.segment_id, r.status) for r in replicas] == [
         (DRAM, ReplicaStatus.COMPLETE), (SSD, ReplicaStatus.PROCESSING)]
+
+
+def test_an_abandoned_promotion_holds_its_dram_range_until_the_store_cannot_write_it() -> None:
+    c = tiered(tier_task_timeout_s=30)
+    put_pages(c, 9)
+    c.state.evict()
+    report(c, [(t, E.OK) for t in tasks(c)])
+    c.get("k0")
+    c.get("k0")
+    [promote] = tasks(c)
+    # The store may not start it after half the timeout (its deadline), so the master can give up later.
+    assert promote.deadline_ms == c.clock.wall_ms() + 15_000
+    used = c.used(DRAM)
+    c.advance(31)
+    c.state.tiers.maintain()
+    assert tiers_of(c, "k0") == [1]
+    assert c.used(DRAM) == used  # still held: a copy started just before the deadline may be writing it
+    c.check()
+    c.advance(10)
+    c.state.reclaim_abandoned_puts()  # the maintenance pass that releases held ranges
+    assert c.used(DRAM) == used - PAGE
+    c.check()

@@ -115,7 +115,9 @@ def test_a_restart_re_adopts_every_live_object(tmp_path: Path) -> None:
     second, scan = reopen(tmp_path / "ssd")
     assert (scan.adopted, scan.dropped, scan.damaged_at) == (19, [], None)
     keys = [e.key for e in second.entries()]
-    assert keys[0] == b"again" and b"key-0" not in keys and b"key-1" not in keys
+    assert keys[0] == b"again"
+    assert b"key-0" not in keys
+    assert b"key-1" not in keys
     key, data = objects[8192]
     dest = bytearray(len(data))
     assert second.read_into(8192, key, memoryview(dest), checksum(data)) == E.OK
@@ -166,7 +168,8 @@ def test_a_torn_journal_keeps_the_records_before_the_damage(
     journal.write_bytes(journal.read_bytes()[:-5])  # the last record is torn (a crash mid-append)
     caplog.set_level(logging.WARNING, logger="kvpool.store.ssd")
     second, scan = reopen(d)
-    assert scan.adopted == 2 and scan.damaged_at is not None
+    assert scan.adopted == 2
+    assert scan.damaged_at is not None
     assert "damaged at byte" in caplog.text
     second.close()
     journal.write_bytes(b"not a journal at all")
@@ -181,7 +184,8 @@ def test_entries_beyond_a_smaller_tier_are_dropped(tmp_path: Path) -> None:
     assert put(first, 0, b"near", value(1000)) == E.OK
     first.close()
     second, scan = reopen(tmp_path / "ssd", CAP // 2)
-    assert scan.adopted == 1 and scan.dropped[0][1].startswith("range")
+    assert scan.adopted == 1
+    assert scan.dropped[0][1].startswith("range")
     assert (tmp_path / "ssd" / "data.kvs").stat().st_size == CAP // 2
     second.close()
 
@@ -238,6 +242,21 @@ def test_worker_demotes_promotes_and_deletes(tmp_path: Path, tier: SsdTier) -> N
         assert len(tier) == 0
         assert (worker.stats.demoted, worker.stats.promoted, worker.stats.deleted, worker.stats.failed) == (
             1, 1, 1, 2)
+    finally:
+        seg.close()
+
+
+def test_worker_never_starts_a_task_past_its_deadline(tmp_path: Path, tier: SsdTier) -> None:
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 16, segment_id=5)
+    try:
+        data = bytes(seg.view[0:100])
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
+        late = pb.TierTask(id=1, kind=pb.TIER_DEMOTE, key="k", src_segment=5, src_offset=0, dst_segment=9,
+                           dst_offset=0, length=100, checksum=checksum(data), deadline_ms=1)
+        assert worker.execute(late) == E.TIMEOUT
+        assert len(tier) == 0
+        late.deadline_ms = 2**62
+        assert worker.execute(late) == E.OK
     finally:
         seg.close()
 
