@@ -243,7 +243,7 @@ class PoolClient:
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
         deadline = self._deadline(timeout)
         results = self._get_replicas(keys, deadline)
-        if results is None:
+        if isinstance(results, ErrorCode):
             return [None] * len(keys)
         buffers = [bytearray(r.size) if r.code == 0 else bytearray() for r in results]
         codes = self._read_all(keys, results, [memoryview(b) for b in buffers], deadline)
@@ -262,8 +262,8 @@ class PoolClient:
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
         results = self._get_replicas(keys, deadline)
-        if results is None:
-            return [int(ErrorCode.UNAVAILABLE)] * len(keys)
+        if isinstance(results, ErrorCode):  # the master call failed: its code (UNAVAILABLE, AUTH_FAILED, ...)
+            return [int(results)] * len(keys)
         return self._read_all(keys, results, views, deadline)
 
     def batch_get_into_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
@@ -276,15 +276,15 @@ class PoolClient:
         return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config,
                                    timeout)
 
-    def _get_replicas(self, keys: Sequence[str], deadline: Deadline) -> list[Any] | None:
+    def _get_replicas(self, keys: Sequence[str], deadline: Deadline) -> list[Any] | ErrorCode:
         if not keys:
             return []
         try:
             resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=list(keys)),
                                      deadline)
-        except KvPoolError:
+        except KvPoolError as exc:
             self._counters.add(degraded_calls=1, get_errors=len(keys))
-            return None
+            return exc.code
         return list(resp.results)
 
     def _read_all(self, keys: Sequence[str], results: list[Any], views: list[memoryview],

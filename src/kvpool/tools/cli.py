@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trace": ("kvpool.tools.bench_trace_pool",
               "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
     "placement": ("kvpool.tools.bench_placement", "allocator utilisation; how fast a new store fills up"),
+    "prefetch": ("kvpool.tools.bench_prefetch", "prefetch hidden behind compute; engine-thread latency"),
     "failover": ("kvpool.tools.bench_failover", "kill the leader master under load: recovery time and objects kept"),
     "metadata": ("kvpool.tools.bench_metadata", "master hot path: exists/prefix/get-replicas rates, framed vs gRPC"),
     "master-memory": ("kvpool.tools.bench_metadata:memory", "master RSS per object at N objects, lookup speed"),
