@@ -158,7 +158,7 @@ class Workload:
 
 
 def run(rounds: int, slice_s: float, connections: int, stripe: int, window: int,
-        socket_buffer: int = SOCKET_BUFFER, inflight: int = 2 << 20) -> dict[str, Any]:
+        socket_buffer: int = SOCKET_BUFFER, inflight: int | None = None) -> dict[str, Any]:
     store = start_store(socket_buffer=socket_buffer)
     transport = TcpTransport(connections_per_endpoint=connections, stripe_bytes=stripe, window=window,
                              socket_buffer=socket_buffer, inflight_bytes=inflight)
@@ -192,7 +192,8 @@ def run(rounds: int, slice_s: float, connections: int, stripe: int, window: int,
     p50_all = single[len(single) // 2]
     result: dict[str, Any] = {
         "config": {"connections": connections, "stripe_bytes": stripe, "window": window,
-                   "socket_buffer": socket_buffer, "inflight_bytes": inflight, "rounds": rounds,
+                   "socket_buffer": socket_buffer, "inflight_bytes": transport.inflight_bytes,
+                   "rounds": rounds,
                    "slice_s": slice_s},
         "ceiling": {f"{s >> 10}KiB": {"gbps": med[f"ceiling_{s}_gbps"],
                                       "p50_us": med[f"ceiling_{s}_p50_us"]} for s in (SINGLE, *LARGE)},
@@ -218,7 +219,7 @@ def main() -> int:
     parser.add_argument("--stripe", type=int, default=1 << 20)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--sockbuf", type=int, default=SOCKET_BUFFER)
-    parser.add_argument("--inflight", type=int, default=2 << 20)
+    parser.add_argument("--inflight", type=int, default=None, help="default: two stripes, >= 2 MiB")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:

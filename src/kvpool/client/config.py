@@ -18,6 +18,7 @@ class ClientConfig:
                                parse=parse_size)
     replica_num: int = option(0, "Replicas per object (0 = the master's default).")
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
+    use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
     breaker_backoff_s: float = option(0.5, "After a failed master call, fail fast for this long (doubles up to "
                                            "breaker_max_backoff_s) before trying again.", parse=parse_duration)
     breaker_max_backoff_s: float = option(5.0, "Longest fail-fast period of the circuit breaker.",

@@ -45,6 +45,8 @@ _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 # Methods a newly elected leader accepts during its warm-up: stores re-mount and rebuild the index
 # before the first data call is served.
 _MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
+# Most payload a framed connection may send before its HELLO is accepted (a token fits in it).
+_MAX_PREAUTH_PAYLOAD = 4096
 
 
 class LeadershipProbe(Protocol):
@@ -360,6 +362,8 @@ class _FramedRpcProtocol(asyncio.Protocol):
         try:
             while len(buf) - consumed >= frames.HEADER_SIZE:
                 head = frames.unpack_header(memoryview(buf)[consumed:consumed + frames.HEADER_SIZE])
+                if not self._authed and not self._may_precede_auth(head):
+                    return  # refused before its payload is buffered: a peer without the token costs ~nothing
                 if head.length > self._max_payload:
                     raise KvPoolError(ErrorCode.BAD_FRAME, f"payload of {head.length} bytes")
                 end = consumed + frames.HEADER_SIZE + head.length
@@ -379,6 +383,19 @@ class _FramedRpcProtocol(asyncio.Protocol):
             self._close()
             return
         del buf[:consumed]
+
+    def _may_precede_auth(self, head: frames.Header) -> bool:
+        """Before a valid HELLO only HELLO and PING, with at most a token's worth of payload, are read;
+        anything else is answered AUTH_FAILED (BAD_FRAME for an oversize HELLO) and the connection closed."""
+        if head.op in (frames.Op.HELLO, frames.Op.PING) and head.length <= _MAX_PREAUTH_PAYLOAD:
+            return True
+        if head.op in (frames.Op.HELLO, frames.Op.PING):
+            self._reply(head, code=ErrorCode.BAD_FRAME)
+        else:
+            self._auth.refuse("rpc")
+            self._reply(head, code=ErrorCode.AUTH_FAILED)
+        self._close()
+        return False
 
     def _reply(self, head: frames.Header, body: bytes = b"", code: ErrorCode = ErrorCode.OK) -> None:
         assert self._transport is not None

@@ -452,11 +452,15 @@ class MasterState:
         hits = 0
         # Reads served only by SSD replicas count towards promotion (leased reads only).
         ssd_hits: list[str] | None = [] if grant_lease and self.tiers.active else None
+        max_key = self._cfg.max_key_bytes
         for key in keys:
             try:
                 kb = key.encode()
             except (AttributeError, UnicodeEncodeError):
                 append(GetResult(_INVALID_KEY))
+                continue
+            if len(kb) > max_key:  # can never exist: say why, not just "not found"
+                append(GetResult(ErrorCode.KEY_TOO_LONG))
                 continue
             shard = shards[digest(kb) % nshards]
             live: list[Range] | None = None

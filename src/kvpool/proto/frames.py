@@ -46,6 +46,9 @@ class Op(IntEnum):
     RDMA_CONNECT = 5
     HELLO = 6
     """First frame of a connection when the cluster requires a token: payload = the token."""
+    RECORD = 7
+    """A same-node client wrote an object's bytes into the mapped segment itself: record it in the
+    store's inventory. Payload: DESC + key (the WRITE grant; part = the whole object), no data."""
     # Master RPCs (the lean path), same messages as the gRPC service.
     GET_CLUSTER_INFO = 64
     BATCH_PUT_START = 65

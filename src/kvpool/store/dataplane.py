@@ -317,6 +317,8 @@ class DataPlaneServer:
             elif op == Op.STORE_INFO:
                 self._expect_empty(op, req_id, length)
                 self._send_info(conn, req_id)
+            elif op == Op.RECORD:
+                self._record(conn, reader, req_id, length)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -413,6 +415,27 @@ class DataPlaneServer:
                                     desc.part_offset, part_length)
         conn.stats.bytes_written += part_length
         self._reply(conn, Op.WRITE, req_id, ErrorCode.OK)
+
+    def _record(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """A same-node client memcpy'd a whole object into the segment: record it like a finished WRITE.
+        The WRITE grant is checked exactly as for a WRITE, so only ranges the master allocated are recorded."""
+        if not DESC.size <= length <= DESC.size + MAX_KEY_BYTES:
+            raise _Close(ErrorCode.BAD_FRAME, f"RECORD payload of {length} bytes", req_id, Op.RECORD)
+        raw = reader.read(length)
+        fields = DESC.unpack_from(raw)
+        if fields[_DESC_KEY_LEN] != length - DESC.size:
+            raise _Close(ErrorCode.BAD_FRAME, f"RECORD payload of {length} bytes", req_id, Op.RECORD)
+        desc = _desc(GrantOp.WRITE, fields, bytes(raw[DESC.size:]))
+        code, seg = self._check(desc)
+        if seg is not None and (desc.part_offset != 0 or desc.part_length != desc.grant.length):
+            code, seg = ErrorCode.OUT_OF_BOUNDS, None
+        if seg is not None:
+            g = desc.grant
+            self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
+            self._inventory.record_part(g.segment_id, g.offset, g.length, g.key, desc.checksum, 0, g.length)
+        else:
+            conn.stats.error(code)
+        self._reply(conn, Op.RECORD, req_id, code)
 
     def _check_and_reserve(self, conn: _Conn, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
         """``_check``, then take the part's bytes from the client's in-flight budget (released by the

@@ -216,9 +216,18 @@ class LocalCluster:
             return False
 
     def restart(self, info: ProcInfo, timeout: float = 60.0) -> ProcInfo:
-        """Start a process of the same role with the same arguments (a restarted master or store)."""
+        """Start a process of the same role with the same arguments (a restarted master or store);
+        a process still running is stopped first (SIGTERM)."""
+        if _alive(info.pid):
+            self.terminate(info)
         self.processes.remove(info)
-        new = self._spawn(info.role, [a for a in info.args], timeout, tuple(info.prefix))
+        args = list(info.args)
+        if info.role == "master" and not self.ha and info.address:
+            # A standalone master comes back at the same address, or nobody could find it again.
+            args += ["--port", info.address.rsplit(":", 1)[1]]
+            if info.endpoints.get("rpc"):
+                args += ["--rpc-port", info.endpoints["rpc"].rsplit(":", 1)[1]]
+        new = self._spawn(info.role, args, timeout, tuple(info.prefix))
         self.save()
         return new
 

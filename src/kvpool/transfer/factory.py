@@ -33,7 +33,7 @@ def make_transports(node: str, prefer_rdma: bool, *, use_shm: bool = False, verb
 
     transports: list[Transport] = []
     if use_shm:
-        shm = _shm_transport(node)
+        shm = _shm_transport(node, token)
         if shm is not None:
             transports.append(shm)
     if prefer_rdma:
@@ -72,10 +72,7 @@ def _no_rdma(reason: str) -> None:
     log_once(logger, logging.INFO, NO_RDMA_LOG_KEY, "RDMA unavailable (%s): using TCP", reason)
 
 
-def _shm_transport(node: str) -> Transport | None:
-    try:
-        from kvpool.transfer.shm import ShmTransport  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    transport: Transport = ShmTransport(node)
-    return transport
+def _shm_transport(node: str, token: bytes) -> Transport | None:
+    from kvpool.transfer.shm import ShmTransport
+
+    return ShmTransport(node, token=token)

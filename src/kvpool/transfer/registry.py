@@ -13,7 +13,6 @@ from kvpool.common.errors import ErrorCode
 from kvpool.transfer.base import Replica, TransferRequest, Transport
 
 
-
 class TransportSet:
     """Transports in preference order; the first that ``can_reach`` a replica serves it."""
 
@@ -25,23 +24,16 @@ class TransportSet:
 
     @classmethod
     def default(cls, config: Any, node: str) -> TransportSet:
-        """TCP always; shared memory first when enabled (same-node segments only)."""
-        from kvpool.transfer.tcp import TcpTransport
-
-        transports: list[Transport] = []
-        if getattr(config, "use_shm", False):
-            try:
-                from kvpool.transfer.shm import ShmTransport
-            except ImportError:
-                pass
-            else:
-                transports.append(ShmTransport(node))
+        """Shared memory for same-node segments, RDMA where a device exists, TCP for the rest."""
         from kvpool.common.auth import load_token
+        from kvpool.transfer.factory import make_transports
 
         # The cluster token opens every data-plane connection (HELLO), as it opens the master's.
-        transports.append(TcpTransport(connections_per_endpoint=config.connections_per_store,
-                                       stripe_bytes=config.stripe_bytes,
-                                       token=load_token(getattr(config, "token_file", ""))))
+        transports = make_transports(node, prefer_rdma=getattr(config, "use_rdma", False),
+                                      use_shm=getattr(config, "use_shm", False),
+                                      token=load_token(getattr(config, "token_file", "")),
+                                      connections_per_store=config.connections_per_store,
+                                      stripe_bytes=config.stripe_bytes)
         return cls(transports, node)
 
     def order(self, replicas: list[Replica]) -> list[Replica]:

@@ -16,8 +16,8 @@ Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncak
   responses we are not reading) is ruled out per connection, from the buffer sizes the kernel really
   granted: the response bytes in flight fit in our receive buffer, and the request frames in flight fit
   in our send buffer; READs and WRITEs are never in flight together on one connection. Payload bytes in
-  flight are also capped (``inflight_bytes``, 2 MiB): deeper pipelines only leave data cold in socket
-  buffers, which measured slower on loopback.
+  flight are also capped (``inflight_bytes``, default two stripes and at least 2 MiB): deeper pipelines
+  only leave data cold in socket buffers, which measured slower on loopback.
 * **Threads.** Lane threads move the bytes, so ``submit`` returns at once and an engine thread is never
   blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
   thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
@@ -716,7 +716,7 @@ class TcpTransport(Transport):
 
     def __init__(self, connections_per_endpoint: int = 4, stripe_bytes: int = 1 << 20,
                  connect_timeout: float = 2.0, window: int = 16, socket_buffer: int = SOCKET_BUFFER,
-                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int = 2 << 20,
+                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int | None = None,
                  token: bytes = b"") -> None:
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
@@ -724,7 +724,7 @@ class TcpTransport(Transport):
         self.window = window
         # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
         # socket buffers (measured: a deeper pipeline is slower on loopback, as it leaves the CPU caches).
-        self.inflight_bytes = inflight_bytes
+        self.inflight_bytes = max(2 << 20, 2 * stripe_bytes) if inflight_bytes is None else inflight_bytes
         self.connections_per_endpoint = connections_per_endpoint
         self.stripe_bytes = stripe_bytes
         self.connect_timeout = connect_timeout
