@@ -14,7 +14,7 @@ class ClientConfig:
     master: str = option("", "Master address: host:port or etcd://h1:p1,h2:p2.", env=envs.KVPOOL_MASTER)
     timeout_s: float = option(5.0, "Default deadline of one call (lookups, puts, gets).", parse=parse_duration)
     connections_per_store: int = option(4, "TCP connections per store; large objects are striped over them.")
-    stripe_bytes: int = option(1 << 20, "Objects larger than this are split over several connections.",
+    stripe_bytes: int = option(2 << 20, "Objects larger than this are split over several connections.",
                                parse=parse_size)
     replica_num: int = option(0, "Replicas per object (0 = the master's default).")
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")

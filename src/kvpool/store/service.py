@@ -331,7 +331,7 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
             break
     if ready_file:
         info = {"tcp": store.tcp_endpoint, "metrics": store.metrics_endpoint, "node": store.node,
-                "store_id": store.store_id}
+                "store_id": store.store_id, "shm": store.segment.path if store.segment else ""}
         Path(ready_file).write_text(json.dumps(info))
     store.run()
     return 0

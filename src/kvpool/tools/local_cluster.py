@@ -192,9 +192,10 @@ class LocalCluster:
             os.kill(info.pid, sig)
 
     def kill(self, info: ProcInfo) -> None:
-        """SIGKILL and reap."""
+        """SIGKILL and reap (a killed store's segment file is removed, as its clean exit would)."""
         self.signal(info, signal.SIGKILL)
         self._reap(info, 10.0)
+        _remove_segment_file(info)
 
     def terminate(self, info: ProcInfo, timeout: float = 10.0) -> None:
         """SIGTERM, wait, then SIGKILL."""
@@ -235,6 +236,7 @@ class LocalCluster:
         for info in reversed(self.processes):
             if info.role != "etcd":
                 self.terminate(info, timeout=5.0)
+                _remove_segment_file(info)
         if self.etcd is not None:
             self.etcd.close()
             self.etcd = None
@@ -282,6 +284,11 @@ def down(base_dir: Path, timeout: float = 10.0) -> list[int]:
         if _alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for detail in doc.get("detail", []):
+        _remove_segment_file(ProcInfo(**detail))
     (base_dir / "cluster.json").unlink(missing_ok=True)
     return pids
 
@@ -291,3 +298,10 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _remove_segment_file(info: ProcInfo) -> None:
+    """A store that died without its clean exit leaves its shared-memory file (RAM) behind."""
+    path = info.endpoints.get("shm", "") if info.role == "store" else ""
+    if path and not _alive(info.pid):
+        Path(path).unlink(missing_ok=True)

@@ -53,6 +53,9 @@ class TransportSet:
         groups: dict[int, list[int]] = {}
         for position, request in enumerate(requests):
             groups.setdefault(self._pick(request.replica), []).append(position)
+        if len(groups) == 1:
+            # One transport serves the whole batch: its own transfer() has the faster single-batch path.
+            return self._transports[next(iter(groups))].transfer(requests, deadline)
         # Submit every group first, then wait: transports run concurrently.
         batches = [(positions, self._transports[t].submit([requests[p] for p in positions], deadline))
                    for t, positions in groups.items()]
