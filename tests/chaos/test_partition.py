@@ -43,7 +43,8 @@ def hosts() -> Iterator[NetnsPair]:
         assert not [ns for ns in NetnsPair.leftovers() if ns in (pair.a, pair.b)], "namespaces left behind"
 
 
-def _workload(pair: NetnsPair, master: str, out: Path, seconds: float, prefix: str) -> subprocess.Popen[bytes]:
+def _workload(pair: NetnsPair, master: str, out: Path, seconds: float,
+              prefix: str) -> subprocess.Popen[bytes]:
     cmd = [*pair.exec_prefix(pair.a), sys.executable, "-m", "kvpool.tools.workload", "--master", master,
            "--prefix", prefix, "--threads", "3", "--duration", str(seconds), "--timeout", str(TIMEOUT_S),
            "--slack", str(SLACK_S), "--out", str(out)]
@@ -73,8 +74,8 @@ STATS = textwrap.dedent("""
 
 def _stats(pair: NetnsPair, master: str) -> dict[str, Any]:
     """The master's view, asked from host A (the test process itself is on neither host)."""
-    out = subprocess.run([*pair.exec_prefix(pair.a), sys.executable, "-c", STATS, master], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run([*pair.exec_prefix(pair.a), sys.executable, "-c", STATS, master],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
     doc: dict[str, Any] = json.loads(out)
     return doc
 
@@ -109,12 +110,14 @@ def test_client_partitioned_from_one_store_not_from_the_master(hosts: NetnsPair,
             "reads_checked": during.reads_checked, "lost": during.lost, "overruns": during.overruns,
             "worst_overrun_s": round(during.worst_overrun_s, 3), "after_heal_ops": after.ops,
             "after_heal_errors": after.errors, "segments_at_master": stats["segments"]}, sort_keys=True))
-        assert during.wrong_reads == 0 and after.wrong_reads == 0
+        assert during.wrong_reads == 0
+        assert after.wrong_reads == 0
         assert during.overruns == 0, f"calls past their deadline (worst {during.worst_overrun_s:.3f} s)"
         assert sum(n for code, n in during.errors.items() if code in ("TIMEOUT", "CONNECTION_FAILED")) > 0, \
             "the partition should have been felt"
         assert stats["segments"] == 2, "store B was partitioned from the client only, never from the master"
-        assert after.errors == {} and after.overruns == 0, f"after healing: {after.errors}"
+        assert after.errors == {}, f"after healing: {after.errors}"
+        assert after.overruns == 0
         assert during.lost == 0, "a partition must not lose objects"
     finally:
         for proc in procs:

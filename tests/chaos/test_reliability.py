@@ -51,12 +51,14 @@ def load_figures(result: WorkloadResult) -> dict[str, Any]:
     hist = result.histogram()
     return {"ops": result.ops, "errors": result.errors, "wrong_reads": result.wrong_reads,
             "reads_checked": result.reads_checked, "load_lost": result.lost, "overruns": result.overruns,
-            "worst_overrun_s": round(result.worst_overrun_s, 3), "p99_ms": round(hist.percentile(99) / 1e3, 1)}
+            "worst_overrun_s": round(result.worst_overrun_s, 3),
+            "p99_ms": round(hist.percentile(99) / 1e3, 1)}
 
 
 def assert_load_ok(result: WorkloadResult) -> None:
     assert result.wrong_reads == 0, f"{result.wrong_reads} wrong reads"
-    assert result.overruns == 0, f"{result.overruns} calls past their deadline (worst {result.worst_overrun_s:.3f} s)"
+    worst = result.worst_overrun_s
+    assert result.overruns == 0, f"{result.overruns} calls past their deadline (worst {worst:.3f} s)"
     assert result.ops > 0
 
 
@@ -106,7 +108,8 @@ def test_store_sigkill_during_reads_and_writes(make_cluster: Callable[..., Local
         victim = cluster.stores[0]
         on_victim = [k for k in keys if where.get(k) == victim.address]
         on_survivor = [k for k in keys if where.get(k) != victim.address]
-        load = BackgroundLoad(c, "load", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S).start()
+        load = BackgroundLoad(c, "load", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S,
+                              slack_s=SLACK_S).start()
         wait_for(lambda: load.ops >= 100, 30.0, "the load to get going")
         killed_at = time.monotonic()
         cluster.kill(victim)
@@ -118,8 +121,10 @@ def test_store_sigkill_during_reads_and_writes(make_cluster: Callable[..., Local
         good, missing, wrong = check_all(c, keys)
         fresh = MixedWorkload(c, "after", value_bytes=VALUE, timeout_s=TIMEOUT_S).put(16)
         report("store SIGKILL under load", seeded=len(keys), on_killed_store=len(on_victim),
-               lost=len(missing), survivors_readable=f"{len(set(good) & set(on_survivor))}/{len(on_survivor)}",
-               expired_after_s=round(expired_after, 2), puts_after_expiry=f"{len(fresh)}/16", **load_figures(result))
+               lost=len(missing),
+               survivors_readable=f"{len(set(good) & set(on_survivor))}/{len(on_survivor)}",
+               expired_after_s=round(expired_after, 2), puts_after_expiry=f"{len(fresh)}/16",
+               **load_figures(result))
         assert not wrong, f"wrong bytes for {wrong[:5]}"
         assert set(good) == set(on_survivor), "an object on the surviving store became unreadable"
         assert set(missing) == set(on_victim), "objects of the killed store should be clean misses"
@@ -183,7 +188,8 @@ def killable() -> Iterator[list[subprocess.Popen[str]]]:
             proc.wait(10)
 
 
-def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[..., LocalCluster], tmp_path: Path,
+def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[..., LocalCluster],
+                                                     tmp_path: Path,
                                                      killable: list[subprocess.Popen[str]]) -> None:
     cluster = make_cluster(stores=2, store_size="64MiB", master_args=(*FAST_MASTER, "--put-timeout-s", "2"))
     c = fast_client(cluster.master)
@@ -191,8 +197,8 @@ def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[...,
         keys = seed(c, 100)
         before = c.stats()
         # Readers only, of the seeded keys: any miss or error would be the abandoned put's doing.
-        load = BackgroundLoad(c, "readers", threads=2, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S,
-                              mix=(0, 1, 0, 0))
+        load = BackgroundLoad(c, "readers", threads=2, value_bytes=VALUE, timeout_s=TIMEOUT_S,
+                              slack_s=SLACK_S, mix=(0, 1, 0, 0))
         for w in load.workloads:
             w.live = list(keys)
         load.start()
@@ -210,11 +216,14 @@ def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[...,
         abandoned = [f"abandoned-{i}" for i in range(32)]
         good, missing, wrong = check_all(c, abandoned)
         report("writer SIGKILLed between PutStart and PutEnd", bytes_held=held,
-               reclaimed_after_s=round(reclaimed_after, 2), reclaimed_puts=after.reclaimed_puts - before.reclaimed_puts,
+               reclaimed_after_s=round(reclaimed_after, 2),
+               reclaimed_puts=after.reclaimed_puts - before.reclaimed_puts,
                abandoned_keys_readable=len(good), **load_figures(result))
         assert held >= 32 * VALUE, "the writer should have held its allocation at the failpoint"
         assert after.reclaimed_puts - before.reclaimed_puts == 32
-        assert not good and not wrong and len(missing) == 32, "an abandoned put must never become visible"
+        assert not wrong
+        assert not good, "an abandoned put must never become visible"
+        assert len(missing) == 32
         assert result.errors == {}, f"readers were affected: {result.errors}"
         assert_load_ok(result)
     finally:
@@ -235,11 +244,12 @@ def test_slow_store_behind_a_delaying_proxy(make_cluster: Callable[..., LocalClu
             slow = [k for k, ep in placement(c, keys).items() if ep.startswith("127.0.0.3:")]
             phases: dict[str, dict[str, Any]] = {}
             # delay below the timeout: slow but correct; above it: deadline-bound failures; stalled: the same.
-            for name, delay, stall in (("delay 0.1 s", 0.1, False), ("delay 1.5 s", 1.5, False), ("stalled", 0, True)):
+            schedule = (("delay 0.1 s", 0.1, False), ("delay 1.5 s", 1.5, False), ("stalled", 0, True))
+            for name, delay, stall in schedule:
                 proxy.delay_s, proxy.stall = delay, stall
-                # Gets of the slow store's objects, puts to either store, no removes (the keys are checked after).
-                load = BackgroundLoad(c, f"slow{len(phases)}", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S,
-                                      slack_s=SLACK_S, mix=(0.3, 0.6, 0.1, 0.0))
+                # Gets of the slow store's objects, puts to either store, no removes (checked after).
+                load = BackgroundLoad(c, f"slow{len(phases)}", threads=3, value_bytes=VALUE,
+                                      timeout_s=TIMEOUT_S, slack_s=SLACK_S, mix=(0.3, 0.6, 0.1, 0.0))
                 for w in load.workloads:
                     w.live = list(slow)
                 load.start()
@@ -249,9 +259,12 @@ def test_slow_store_behind_a_delaying_proxy(make_cluster: Callable[..., LocalClu
                 assert_load_ok(result)
             proxy.delay_s, proxy.stall = 0.0, False
             good, missing, wrong = check_all(c, slow)
-            report("slow store (delaying proxy)", slow_objects=len(slow), readable_after=len(good), phases=phases)
-            assert not wrong and len(good) == len(slow), "every object must read back once the store is fast"
-            assert phases["delay 0.1 s"]["errors"].get("TIMEOUT", 0) == 0, "a 0.2 s round trip fits a 1 s deadline"
+            report("slow store (delaying proxy)", slow_objects=len(slow), readable_after=len(good),
+                   phases=phases)
+            assert not wrong
+            assert len(good) == len(slow), "every object must read back once the store is fast"
+            assert phases["delay 0.1 s"]["errors"].get("TIMEOUT", 0) == 0, \
+                "a 0.2 s round trip fits a 1 s deadline"
         finally:
             c.close()
     finally:
@@ -267,7 +280,8 @@ def test_one_etcd_member_of_three_killed(etcd3: Any, make_cluster: Callable[...,
     c = fast_client(cluster.master)
     try:
         keys = seed(c, 100)
-        load = BackgroundLoad(c, "etcd", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S).start()
+        load = BackgroundLoad(c, "etcd", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S,
+                              slack_s=SLACK_S).start()
         wait_for(lambda: load.ops >= 100, 30.0, "the load to get going")
         # The raft leader: its loss costs an etcd election on top of the masters' clients failing over.
         # (test_failover.py freezes the first endpoint, the one every kvpool etcd client starts on.)
@@ -282,7 +296,8 @@ def test_one_etcd_member_of_three_killed(etcd3: Any, make_cluster: Callable[...,
         report("one etcd member of three SIGKILLed (the raft leader)", killed_member=victim,
                kvpool_leader_after=bool(leader), seeded=len(keys), lost=len(missing), **load_figures(result))
         assert leader, "no serving kvpool leader with 2 of 3 etcd members"
-        assert not wrong and not missing, "no object may be lost to an etcd member failure"
+        assert not wrong
+        assert not missing, "no object may be lost to an etcd member failure"
         assert_load_ok(result)
     finally:
         c.close()
@@ -296,14 +311,20 @@ class _Direct(TcpTransport):
         super().__init__(connections_per_endpoint=1)
         self._map = (proxied, real)
 
-    def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
+    def _moved(self, requests: Sequence[TransferRequest]) -> list[TransferRequest]:
         proxied, real = self._map
-        moved = [dataclasses.replace(r, replica=dataclasses.replace(
+        return [dataclasses.replace(r, replica=dataclasses.replace(
             r.replica, tcp_endpoint=r.replica.tcp_endpoint.replace(proxied, real))) for r in requests]
-        return super().submit(moved, deadline)
+
+    def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
+        return super().submit(self._moved(requests), deadline)
+
+    def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
+        return super().transfer(self._moved(requests), deadline)
 
 
-def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(make_cluster: Callable[..., LocalCluster]) -> None:
+def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(
+        make_cluster: Callable[..., LocalCluster]) -> None:
     """A put times out behind a stalled link and is revoked; a new put is written straight to the store;
     then the stalled WRITE arrives, its grant still valid. Without the revoke quarantine the new put got
     the revoked range and those late bytes overwrote it (every read: CHECKSUM_MISMATCH)."""
@@ -322,11 +343,13 @@ def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(make_cluster
             connections = proxy.connections
             proxy.stall = False  # the revoked put's WRITE now reaches the store, its grant still valid
             # Delivered, answered and closed by the store: the late WRITE has been served (or refused).
-            wait_for(lambda: proxy.pending == 0 and proxy.active == 0, 10.0, "the proxy to deliver the late bytes")
+            wait_for(lambda: proxy.pending == 0 and proxy.active == 0, 10.0,
+                     "the proxy to deliver the late bytes")
             value = direct.get("newer")
             report("late WRITE of a revoked put", proxy_connections=connections,
                    newer_object_intact=value == expected_value("newer", VALUE))
-            assert value == expected_value("newer", VALUE), "a revoked put's late bytes overwrote a newer object"
+            assert value == expected_value("newer", VALUE), \
+                "a revoked put's late bytes overwrote a newer object"
         finally:
             slow.close()
             direct.close()

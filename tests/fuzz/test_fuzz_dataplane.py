@@ -65,12 +65,14 @@ def _make_target(tmp: Path, token: bytes) -> Target:
     pattern = np.random.default_rng(11).integers(0, 256, SEG_SIZE, dtype=np.uint8)
     np.frombuffer(seg.view, dtype=np.uint8)[:] = pattern
     secret = new_secret()
-    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(), stall_timeout_s=2.0,
-                             auth=TokenChecker(token), limits=ClientLimits(64, 64 << 20))
+    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(),
+                             stall_timeout_s=2.0, auth=TokenChecker(token), limits=ClientLimits(64, 64 << 20))
     server.start()
     expiry = time.time_ns() // 1_000_000 + 3_600_000
-    grants = [make_grant(secret, GrantOp.WRITE, seg.id, off, n, expiry, f"w{off}".encode()) for off, n in WRITE_RANGES]
-    grants += [make_grant(secret, GrantOp.READ, seg.id, off, n, expiry, f"r{off}".encode()) for off, n in READ_RANGES]
+    grants = [make_grant(secret, GrantOp.WRITE, seg.id, off, n, expiry, f"w{off}".encode())
+              for off, n in WRITE_RANGES]
+    grants += [make_grant(secret, GrantOp.READ, seg.id, off, n, expiry, f"r{off}".encode())
+               for off, n in READ_RANGES]
     grants.append(make_grant(secret, GrantOp.WRITE, seg.id, 8192, 4096, 1, b"expired"))  # long expired
     return Target(server, seg, secret, pattern, token, grants)
 
@@ -93,7 +95,7 @@ def frame(op: int, payload: bytes = b"", req_id: int = 1) -> bytes:
 
 @st.composite
 def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
-    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "write"]))
+    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "write", "record"]))
     if kind == "hello":
         return frame(Op.HELLO, t.token)
     if kind == "bad_hello":
@@ -108,6 +110,8 @@ def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
     desc = TransferDesc(grant, 0, part_off, part_len).pack()
     if kind == "read":
         return frame(Op.READ, desc)
+    if kind == "record":  # a same-node client's "I memcpy'd it": no bytes move, the inventory may change
+        return frame(Op.RECORD, desc)
     return frame(Op.WRITE, desc + draw(st.binary(min_size=part_len, max_size=part_len)))
 
 

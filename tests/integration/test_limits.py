@@ -46,7 +46,8 @@ def rss_anon(pid: int) -> int:
 # ---------------------------------------------------------------------- master limits
 def test_key_object_and_batch_limits_give_per_key_codes(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(stores=1, store_size="32MiB",
-                           master_args=("--max-key-bytes", "64", "--max-object-bytes", "64KiB", "--max-batch", "16"))
+                           master_args=("--max-key-bytes", "64", "--max-object-bytes", "64KiB",
+                                        "--max-batch", "16"))
     with _client(cluster) as c:
         long_key, ok_key = "k" * 65, "k" * 64
         assert c.batch_put_from([ok_key, long_key, "", "big", "fits"],
@@ -60,7 +61,8 @@ def test_key_object_and_batch_limits_give_per_key_codes(make_cluster: Callable[.
         assert c.batch_get_into(keys, [bytearray(1)] * 17) == [ErrorCode.BATCH_TOO_LARGE] * 17
         assert c.batch_put_from(keys[:16], [b"v"] * 16) == [0] * 16  # at the limit is fine
         info = c._master.info
-        assert info is not None and (info.max_key_bytes, info.max_object_bytes, info.max_batch) == (64, 64 * KiB, 16)
+        assert info is not None
+        assert (info.max_key_bytes, info.max_object_bytes, info.max_batch) == (64, 64 * KiB, 16)
 
 
 # ---------------------------------------------------------------------- data-plane limits per client
@@ -95,7 +97,8 @@ def test_connections_per_client(make_cluster: Callable[..., LocalCluster]) -> No
 
 
 def test_bytes_in_flight_per_client(make_cluster: Callable[..., LocalCluster]) -> None:
-    cluster = make_cluster(stores=1, store_size="32MiB", store_args=("--max-inflight-bytes-per-client", "1MiB"))
+    cluster = make_cluster(stores=1, store_size="32MiB",
+                           store_args=("--max-inflight-bytes-per-client", "1MiB"))
     # One part per object (stripe 8 MiB): a part over the client's budget can never be served.
     with _client(cluster, stripe_bytes=8 * MiB, connections_per_store=1) as c:
         assert c.put("small", b"s" * (512 * KiB)) == 0
@@ -141,7 +144,8 @@ def test_store_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., Lo
     store = cluster.stores[0]
     before = rss_anon(store.pid)
     # Well-formed requests under forged grants: each is refused (AUTH_FAILED) and the connection kept.
-    forged_read = frames.TransferDesc(Grant(GrantOp.READ, 1, 0, 4096, 2**62, b"k", b"\0" * 16), 0, 0, 4096).pack()
+    forged = Grant(GrantOp.READ, 1, 0, 4096, 2**62, b"k", b"\0" * 16)
+    forged_read = frames.TransferDesc(forged, 0, 0, 4096).pack()
     bad_read = frames.pack_header(frames.Op.READ, 1, len(forged_read)) + forged_read
     # A WRITE announcing a 16 MiB part, 256 KiB of it sent: the store drains it through its scratch buffer
     # and waits for the rest, holding nothing but its buffers.
@@ -152,10 +156,12 @@ def test_store_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., Lo
         sock = socket.create_connection(_endpoint(store.address), timeout=5)
         sockets.append(sock)
         _send_nowait(sock, (bad_read * 2000) if i % 2 else big_write + b"\0" * (256 * KiB))
-    wait_for(lambda: _connections(store.endpoints["metrics"]) >= FLOOD_CONNECTIONS, 30.0, "every flood connection")
+    wait_for(lambda: _connections(store.endpoints["metrics"]) >= FLOOD_CONNECTIONS, 30.0,
+             "every flood connection")
     peak = rss_anon(store.pid)
     print(f"\nRELIABILITY {{\"fault\": \"store flood\", \"connections\": {FLOOD_CONNECTIONS}, "
-          f"\"rss_anon_growth_mib\": {(peak - before) / MiB:.1f}, \"bound_mib\": {STORE_FLOOD_BOUND / MiB:.0f}}}")
+          f"\"rss_anon_growth_mib\": {(peak - before) / MiB:.1f}, "
+          f"\"bound_mib\": {STORE_FLOOD_BOUND / MiB:.0f}}}")
     assert peak - before < STORE_FLOOD_BOUND
     for s in sockets:
         s.close()
@@ -167,7 +173,8 @@ def _connections(metrics: str) -> float:
     import urllib.request
 
     body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
-    return next(float(line.split()[1]) for line in body.splitlines() if line.startswith("kvpool_store_connections "))
+    return next(float(line.split()[1]) for line in body.splitlines()
+                if line.startswith("kvpool_store_connections "))
 
 
 MASTER_FLOOD_BATCH = 1024
@@ -194,7 +201,8 @@ def test_master_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., L
     per_connection = max_request_payload(MasterConfig(max_batch=MASTER_FLOOD_BATCH))
     bound = 32 * MiB if with_token else FLOOD_CONNECTIONS * per_connection + 64 * MiB
     before = rss_anon(master.pid)
-    request = pb.BatchExistsRequest(keys=[f"{i:0>500}" for i in range(MASTER_FLOOD_BATCH)]).SerializeToString()
+    keys = [f"{i:0>500}" for i in range(MASTER_FLOOD_BATCH)]
+    request = pb.BatchExistsRequest(keys=keys).SerializeToString()
     frame = frames.pack_header(frames.Op.BATCH_EXISTS, 1, len(request)) + request
     huge = frames.pack_header(frames.Op.BATCH_EXISTS, 1, per_connection + 1)  # over the cap: closed at once
     # The worst case: the largest legal request, all but its last byte (the master must buffer it whole).

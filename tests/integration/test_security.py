@@ -160,14 +160,16 @@ def test_local_up_with_a_token_file(tmp_path: Path, token_file: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_TOKEN")}
     kvpool = [sys.executable, "-m", "kvpool.tools.cli", "local"]
     up = subprocess.run([*kvpool, "up", "--stores", "1", "--size", "32MiB", "--dir", str(base), "--json",
-                         "--token-file", str(token_file)], env=env, capture_output=True, text=True, timeout=120)
+                         "--token-file", str(token_file)],
+                        env=env, capture_output=True, text=True, timeout=120)
     try:
         assert up.returncode == 0, up.stderr
         master = json.loads(up.stdout)["master"]
         script = ("import sys; from kvpool.client import PoolClient; c = PoolClient.from_env(use_shm=False, "
                   "timeout_s=3.0); print(c.put('k', b'v'), c.batch_exists(['k'])[0]); c.close()")
-        with_token = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                                    env={**env, "KVPOOL_MASTER": master, "KVPOOL_TOKEN_FILE": str(token_file)})
+        with_token = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+            env={**env, "KVPOOL_MASTER": master, "KVPOOL_TOKEN_FILE": str(token_file)})
         without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                                  env={**env, "KVPOOL_MASTER": master})
         assert with_token.stdout.split() == ["0", "1"], with_token.stderr
@@ -185,9 +187,10 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     except ImportError:
         if shutil.which("openssl") is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is installed")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                        str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
-                        "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True, timeout=60)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                        "-out", str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                       check=True, capture_output=True, timeout=60)
     return cert, key
 
 
@@ -202,9 +205,10 @@ def _with_cryptography(cert: Path, key: Path) -> None:
 
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                   .public_key(private.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
                    .not_valid_after(now + datetime.timedelta(days=1))
                    .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                                                                x509.DNSName("localhost")]), critical=False)

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stores", type=int, default=2, help="stores (default 2)")
     parser.add_argument("--store-size", default="128MiB", help="segment size of each store (default 128MiB)")
     parser.add_argument("--value-bytes", type=int, default=16 << 10, help="object size (default 16 KiB)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="deadline of every client call (default 2 s)")
+    parser.add_argument("--timeout", type=float, default=2.0,
+                        help="deadline of every client call (default 2 s)")
     parser.add_argument("--restart-at", type=float, default=0.5,
                         help="kill and restart a store at this fraction of the run (default 0.5; <0 = never)")
     parser.add_argument("--dir", default="", help="cluster directory (default: a temp dir, removed after)")
@@ -82,7 +83,10 @@ class RssWatcher:
         self.sample()
 
 
-def _spawn_clients(args: argparse.Namespace, master: str, base: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
+Client = tuple[subprocess.Popen[bytes], Path]
+
+
+def _spawn_clients(args: argparse.Namespace, master: str, base: Path) -> list[Client]:
     clients = []
     for i in range(args.clients):
         out = base / f"client-{i}.json"
@@ -103,7 +107,7 @@ def _restart_a_store(cluster: Any, watcher: RssWatcher) -> None:
     cluster.restart(victim)
 
 
-def _wait_clients(clients: list[tuple[subprocess.Popen[bytes], Path]], timeout: float) -> WorkloadResult:
+def _wait_clients(clients: list[Client], timeout: float) -> WorkloadResult:
     total = WorkloadResult()
     deadline = time.monotonic() + timeout
     for proc, out in clients:

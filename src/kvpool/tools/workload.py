@@ -175,7 +175,7 @@ class MixedWorkload:
         return acked
 
     def get(self, keys: list[str] | None = None) -> None:
-        """Read keys this workload acknowledged; a value that differs from the expected one is a wrong read."""
+        """Read keys this workload acknowledged; a value unlike the expected one is a wrong read."""
         keys = keys or self.rng.sample(self.live, min(len(self.live), self.rng.randint(1, self.batch)))
         if not keys:
             return
@@ -193,7 +193,8 @@ class MixedWorkload:
     def _get_with_codes(self, keys: list[str]) -> list[tuple[int, bytes]]:
         buffers = [bytearray(self.value_bytes) for _ in keys]
         codes = self.client.batch_get_into(keys, buffers, timeout=self.timeout_s)
-        return [(code, bytes(buf[:code]) if code >= 0 else b"") for code, buf in zip(codes, buffers, strict=True)]
+        return [(code, bytes(buf[:code]) if code >= 0 else b"")
+                for code, buf in zip(codes, buffers, strict=True)]
 
     def _lose(self, key: str) -> None:
         self._error(int(ErrorCode.OBJECT_NOT_FOUND))

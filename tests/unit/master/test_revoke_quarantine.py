@@ -1,4 +1,4 @@
-"""A revoked put's ranges are not reused while its WRITE grant may still be honoured (master/quarantine.py)."""
+"""A revoked put's ranges are not reused while its WRITE grant may still be honoured (quarantine.py)."""
 
 from __future__ import annotations
 
