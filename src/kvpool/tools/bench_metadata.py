@@ -130,9 +130,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 def _start_master() -> Any:
     from kvpool.tools.local_cluster import LocalCluster
 
-    # Eviction off (watermark 1.0): the memory benchmark must keep every object it indexed.
+    # Eviction off (watermark 1.0) and no store expiry (the fake store never heartbeats): the benchmark
+    # must keep every object it indexed.
     return LocalCluster(stores=0, master_args=("--eviction-high-watermark", "1.0", "--eviction-target", "1.0",
-                                               "--lease-ttl-s", "3600")).start()
+                                               "--lease-ttl-s", "3600", "--store-ttl-s", "24h")).start()
 
 
 def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
