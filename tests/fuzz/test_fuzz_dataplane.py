@@ -169,14 +169,14 @@ def check_invariants(t: Target) -> None:
 
 
 # ---------------------------------------------------------------------- the fuzzers
-@examples(80)
+@examples(200)
 @given(data=st.data())
 def test_fuzz_frames(target: Target, data: st.DataObject) -> None:
     converse(target.server.port, data.draw(conversation(target)))
     check_invariants(target)
 
 
-@examples(30)
+@examples(60)
 @given(blob=st.binary(min_size=1, max_size=4096))
 def test_fuzz_random_bytes(target: Target, blob: bytes) -> None:
     converse(target.server.port, [blob])

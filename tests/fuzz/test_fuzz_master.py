@@ -270,7 +270,7 @@ def still_serving(m: InProcessMaster) -> None:
 FRAMED_OPS = sorted(frames.RPC_METHODS)
 
 
-@examples(150)
+@examples(400)
 @given(data=st.data())
 def test_fuzz_framed_rpcs(master: InProcessMaster, data: st.DataObject) -> None:
     op = data.draw(st.one_of(st.sampled_from(FRAMED_OPS), st.integers(0, 0xFFFF)), label="op")
@@ -284,7 +284,7 @@ def test_fuzz_framed_rpcs(master: InProcessMaster, data: st.DataObject) -> None:
     still_serving(master)
 
 
-@examples(150)
+@examples(400)
 @given(data=st.data())
 def test_fuzz_grpc_rpcs(master: InProcessMaster, data: st.DataObject) -> None:
     method = data.draw(st.sampled_from(sorted(GRPC_METHODS)), label="method")
