@@ -19,7 +19,9 @@ demo: venv            ## a local cluster + an agent workload: pool vs private-ca
 test-deps: venv       ## etcd, pyverbs, helm and validators (needs root for apt-get)
 	bash scripts/install-test-deps.sh
 
-test: test-deps       ## the whole suite (unit, integration with real processes and real etcd, chaos)
+test: test-deps       ## lint, types, then the whole suite (unit, integration with real processes and real etcd, chaos)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
 proto: venv           ## regenerate the protobuf/gRPC stubs from src/kvpool/proto/*.proto
@@ -28,6 +30,7 @@ proto: venv           ## regenerate the protobuf/gRPC stubs from src/kvpool/prot
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 typecheck: venv
 	$(VENV)/bin/mypy

@@ -52,8 +52,7 @@ def serve(size: int, socket_buffer: int) -> None:
     secret = new_secret()
     seg = ShmSegment.create("/dev/shm", f"kvpool-bench-{os.getpid()}", size)
     seg.prefault()
-    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(),
-                             socket_buffer=socket_buffer)
+    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(), socket_buffer=socket_buffer)
     server.start()
     print(json.dumps({"port": server.port, "segment_id": seg.id, "secret": secret.hex()}), flush=True)
     try:
@@ -83,18 +82,28 @@ class Store:
 
 def start_store(size: int = SEGMENT_BYTES, socket_buffer: int = SOCKET_BUFFER) -> Store:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(size), "--sockbuf", str(socket_buffer)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(size), "--sockbuf", str(socket_buffer)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
     return Store(proc, f"127.0.0.1:{info['port']}", info["segment_id"], bytes.fromhex(info["secret"]))
 
 
-def _requests(store: Store, op: GrantOp, buffers: list[memoryview], size: int,
-              base: int = 0) -> list[TransferRequest]:
-    return [TransferRequest(op, b"bench-%d" % (base + i),
-                            store.replica(op, b"bench-%d" % (base + i), (base + i) * size, size), buf)
-            for i, buf in enumerate(buffers)]
+def _requests(store: Store, op: GrantOp, buffers: list[memoryview], size: int, base: int = 0) -> list[TransferRequest]:
+    return [
+        TransferRequest(
+            op,
+            b"bench-%d" % (base + i),
+            store.replica(op, b"bench-%d" % (base + i), (base + i) * size, size),
+            buf,
+        )
+        for i, buf in enumerate(buffers)
+    ]
 
 
 def _batch_gbps(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> float:
@@ -137,8 +146,8 @@ class Workload:
             count = BATCH_BYTES // size
             self.src[size] = rng.integers(0, 256, size * count, dtype=np.uint8)
             self.dst[size] = np.zeros(size * count, dtype=np.uint8)
-            srcs = [memoryview(self.src[size][i * size:(i + 1) * size].data) for i in range(count)]
-            dsts = [memoryview(self.dst[size][i * size:(i + 1) * size].data) for i in range(count)]
+            srcs = [memoryview(self.src[size][i * size : (i + 1) * size].data) for i in range(count)]
+            dsts = [memoryview(self.dst[size][i * size : (i + 1) * size].data) for i in range(count)]
             self.puts[size] = _requests(store, GrantOp.WRITE, srcs, size)
             self.gets[size] = _requests(store, GrantOp.READ, dsts, size)
         self.single_src = memoryview(os.urandom(SINGLE))
@@ -157,11 +166,23 @@ class Workload:
         assert self.single_src == self.single_dst, "64 KiB value differs"
 
 
-def run(rounds: int, slice_s: float, connections: int, stripe: int, window: int,
-        socket_buffer: int = SOCKET_BUFFER, inflight: int | None = None) -> dict[str, Any]:
+def run(
+    rounds: int,
+    slice_s: float,
+    connections: int,
+    stripe: int,
+    window: int,
+    socket_buffer: int = SOCKET_BUFFER,
+    inflight: int | None = None,
+) -> dict[str, Any]:
     store = start_store(socket_buffer=socket_buffer)
-    transport = TcpTransport(connections_per_endpoint=connections, stripe_bytes=stripe, window=window,
-                             socket_buffer=socket_buffer, inflight_bytes=inflight)
+    transport = TcpTransport(
+        connections_per_endpoint=connections,
+        stripe_bytes=stripe,
+        window=window,
+        socket_buffer=socket_buffer,
+        inflight_bytes=inflight,
+    )
     peer = RawTcpPeer()
     samples: dict[str, list[float]] = defaultdict(list)
     single: list[float] = []
@@ -191,22 +212,32 @@ def run(rounds: int, slice_s: float, connections: int, stripe: int, window: int,
     single.sort()
     p50_all = single[len(single) // 2]
     result: dict[str, Any] = {
-        "config": {"connections": connections, "stripe_bytes": stripe, "window": window,
-                   "socket_buffer": socket_buffer, "inflight_bytes": transport.inflight_bytes,
-                   "rounds": rounds,
-                   "slice_s": slice_s},
-        "ceiling": {f"{s >> 10}KiB": {"gbps": med[f"ceiling_{s}_gbps"],
-                                      "p50_us": med[f"ceiling_{s}_p50_us"]} for s in (SINGLE, *LARGE)},
-        "single_64KiB_get": {"p50_us": p50_all * 1e6, "p99_us": single[int(len(single) * 0.99)] * 1e6,
-                             "gbps_at_p50": SINGLE / p50_all / 1e9,
-                             "ratio_to_raw_64KiB": med["single_ratio"]},
+        "config": {
+            "connections": connections,
+            "stripe_bytes": stripe,
+            "window": window,
+            "socket_buffer": socket_buffer,
+            "inflight_bytes": transport.inflight_bytes,
+            "rounds": rounds,
+            "slice_s": slice_s,
+        },
+        "ceiling": {
+            f"{s >> 10}KiB": {"gbps": med[f"ceiling_{s}_gbps"], "p50_us": med[f"ceiling_{s}_p50_us"]}
+            for s in (SINGLE, *LARGE)
+        },
+        "single_64KiB_get": {
+            "p50_us": p50_all * 1e6,
+            "p99_us": single[int(len(single) * 0.99)] * 1e6,
+            "gbps_at_p50": SINGLE / p50_all / 1e9,
+            "ratio_to_raw_64KiB": med["single_ratio"],
+        },
     }
     for size in LARGE:
         result[f"batch_{size >> 20}MiB"] = {
             "batch": BATCH_BYTES // size,
-            **{f"{op}_{what}": med[f"{op}_{size}_{what}"]
-               for op in ("put", "get") for what in ("gbps", "ratio")},
-            **{f"{op}_ratio_min": min(samples[f"{op}_{size}_ratio"]) for op in ("put", "get")}}
+            **{f"{op}_{what}": med[f"{op}_{size}_{what}"] for op in ("put", "get") for what in ("gbps", "ratio")},
+            **{f"{op}_ratio_min": min(samples[f"{op}_{size}_ratio"]) for op in ("put", "get")},
+        }
     return result
 
 
@@ -225,15 +256,16 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.sockbuf)
         return 0
-    result = run(args.rounds, args.slice, args.connections, args.stripe, args.window, args.sockbuf,
-                 args.inflight)
+    result = run(args.rounds, args.slice, args.connections, args.stripe, args.window, args.sockbuf, args.inflight)
     if args.json:
         print(json.dumps(result, default=lambda x: round(x, 3) if isinstance(x, float) else x))
         return 0
     for name, value in result.items():
         if isinstance(value, dict):
-            print(f"{name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in value.items()))
+            print(
+                f"{name}: "
+                + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+            )
     return 0
 
 

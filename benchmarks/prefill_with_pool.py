@@ -49,8 +49,13 @@ def measure(master: str, args: argparse.Namespace) -> dict[str, Any]:
     prefix, suffix = tl.tokens(1, args.prefix), tl.tokens(2, args.suffix)
     full = prefix + suffix
     pool = PoolClient(master)
-    engine = EngineClient(pool, Namespace(model=f"bench-tiny-llama-{args.layers}l"), page_size=PAGE,
-                          page_bytes=tl.object_bytes(model, PAGE), max_writeback_bytes=1 << 30)
+    engine = EngineClient(
+        pool,
+        Namespace(model=f"bench-tiny-llama-{args.layers}l"),
+        page_size=PAGE,
+        page_bytes=tl.object_bytes(model, PAGE),
+        max_writeback_bytes=1 << 30,
+    )
     try:
         # Some engine computed the prefix before and wrote it back.
         (_, cache), write_prefill_s = _timed(tl.forward, model, prefix)
@@ -71,19 +76,27 @@ def measure(master: str, args: argparse.Namespace) -> dict[str, Any]:
             with_pool.append(sum(timings.values()))
             for name, value in timings.items():
                 parts[name].append(value)
-            diff = max(diff, float((logits - full_logits[:, -logits.shape[1]:]).abs().max()))
+            diff = max(diff, float((logits - full_logits[:, -logits.shape[1] :]).abs().max()))
     finally:
         engine.close()
         pool.close()
     base, pooled = statistics.median(baseline), statistics.median(with_pool)
     kv_bytes = len(objects) * tl.object_bytes(model, PAGE)
-    return {"prefix_tokens": args.prefix, "suffix_tokens": args.suffix, "layers": args.layers,
-            "torch_threads": torch.get_num_threads(), "kv_bytes": kv_bytes,
-            "prefill_without_pool_ms": round(base * 1000, 2), "prefill_with_pool_ms": round(pooled * 1000, 2),
-            "speedup": round(base / pooled, 2),
-            **{f"{name}_ms": round(statistics.median(v) * 1000, 3) for name, v in parts.items()},
-            "write_back_ms": round(write_s * 1000, 2), "first_prefill_ms": round(write_prefill_s * 1000, 2),
-            "max_abs_diff": diff, "runs": args.runs}
+    return {
+        "prefix_tokens": args.prefix,
+        "suffix_tokens": args.suffix,
+        "layers": args.layers,
+        "torch_threads": torch.get_num_threads(),
+        "kv_bytes": kv_bytes,
+        "prefill_without_pool_ms": round(base * 1000, 2),
+        "prefill_with_pool_ms": round(pooled * 1000, 2),
+        "speedup": round(base / pooled, 2),
+        **{f"{name}_ms": round(statistics.median(v) * 1000, 3) for name, v in parts.items()},
+        "write_back_ms": round(write_s * 1000, 2),
+        "first_prefill_ms": round(write_prefill_s * 1000, 2),
+        "max_abs_diff": diff,
+        "runs": args.runs,
+    }
 
 
 def _prefill_with_pool(tl: Any, engine: Any, model: Any, full: list[int]) -> tuple[Any, dict[str, float]]:
@@ -91,21 +104,18 @@ def _prefill_with_pool(tl: Any, engine: Any, model: Any, full: list[int]) -> tup
     hit, lookup_s = _timed(engine.prefix_length, keys)
     host = tl.page_buffer(model, hit, PAGE)
     start = time.perf_counter()
-    handle = engine.prefetch(keys[:hit], tl.byte_views(host), deadline_s=30, policy="wait_complete",
-                             hit_pages=hit)
+    handle = engine.prefetch(keys[:hit], tl.byte_views(host), deadline_s=30, policy="wait_complete", hit_pages=hit)
     fetched = handle.wait(timeout=60)
     fetch_s = time.perf_counter() - start
     reused = min(fetched * PAGE, len(full) - 1)  # always compute at least the last token
     fetched = reused // PAGE
-    cache, rebuild_s = _timed(lambda: tl.cache_from_layers(tl.from_pages(host[:2 * fetched])) if fetched
-                              else None)
-    (logits, _), suffix_s = _timed(tl.forward, model, full[fetched * PAGE:], cache)
+    cache, rebuild_s = _timed(lambda: tl.cache_from_layers(tl.from_pages(host[: 2 * fetched])) if fetched else None)
+    (logits, _), suffix_s = _timed(tl.forward, model, full[fetched * PAGE :], cache)
     return logits, {"lookup": lookup_s, "fetch": fetch_s, "rebuild": rebuild_s, "suffix": suffix_s}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
     parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
     parser.add_argument("--suffix", type=int, default=64, help="new tokens per request (default 64)")
@@ -124,13 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"prefix {result['prefix_tokens']} + suffix {result['suffix_tokens']} tokens, "
-              f"{result['layers']} layers, KV {result['kv_bytes'] / 2**20:.1f} MiB")
-        print(f"prefill without the pool {result['prefill_without_pool_ms']:.1f} ms, with it "
-              f"{result['prefill_with_pool_ms']:.1f} ms (lookup {result['lookup_ms']:.2f} + fetch "
-              f"{result['fetch_ms']:.1f} + rebuild {result['rebuild_ms']:.1f} + suffix "
-              f"{result['suffix_ms']:.1f}) -> {result['speedup']:.2f}x; max |logit diff| "
-              f"{result['max_abs_diff']:.2e}")
+        print(
+            f"prefix {result['prefix_tokens']} + suffix {result['suffix_tokens']} tokens, "
+            f"{result['layers']} layers, KV {result['kv_bytes'] / 2**20:.1f} MiB"
+        )
+        print(
+            f"prefill without the pool {result['prefill_without_pool_ms']:.1f} ms, with it "
+            f"{result['prefill_with_pool_ms']:.1f} ms (lookup {result['lookup_ms']:.2f} + fetch "
+            f"{result['fetch_ms']:.1f} + rebuild {result['rebuild_ms']:.1f} + suffix "
+            f"{result['suffix_ms']:.1f}) -> {result['speedup']:.2f}x; max |logit diff| "
+            f"{result['max_abs_diff']:.2e}"
+        )
     return 0
 
 

@@ -30,9 +30,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-CALL_BYTES = 32 << 20          # the largest batch of one call (and the size of each registered buffer)
-FILL_VALUE = 4 << 20           # filler value size of the warm step
-MAX_CALLS = 200_000            # bound of any timed loop, whatever its duration
+CALL_BYTES = 32 << 20  # the largest batch of one call (and the size of each registered buffer)
+FILL_VALUE = 4 << 20  # filler value size of the warm step
+MAX_CALLS = 200_000  # bound of any timed loop, whatever its duration
 Result = list[int]
 
 
@@ -49,7 +49,7 @@ class Buffer:
             block = os.urandom(1 << 20)
             for off in range(0, size, len(block)):
                 n = min(len(block), size - off)
-                self.view[off:off + n] = block[:n]
+                self.view[off : off + n] = block[:n]
 
     def close(self) -> None:
         del self._anchor
@@ -65,7 +65,7 @@ class Backend:
     """
 
     name = "?"
-    copy_out = False   # systems whose get returns new bytes (Redis) copy them into dst only when set
+    copy_out = False  # systems whose get returns new bytes (Redis) copy them into dst only when set
     engine: Any = None  # the Engine serving this backend (set by Engine)
 
     def __init__(self) -> None:
@@ -97,6 +97,7 @@ class Backend:
 
 # --- key layout ------------------------------------------------------------------------------------
 
+
 def dataset_keys(ns: str, size: int, dataset_bytes: int) -> list[str]:
     return [f"{ns}/d/{size}/{i}" for i in range(max(1, dataset_bytes // size))]
 
@@ -115,7 +116,7 @@ def chunks(keys: Sequence[str], size: int, per_call: int) -> list[tuple[list[str
     out = []
     slots = CALL_BYTES // size
     for start in range(0, len(keys), per_call):
-        part = list(keys[start:start + per_call])
+        part = list(keys[start : start + per_call])
         out.append((part, [((start + j) % slots) * size for j in range(len(part))]))
     return out
 
@@ -127,24 +128,42 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[index]
 
 
-def summarise(op: str, size: int, batch: int, latencies: list[float], elapsed: float, keys: int,
-              errors: int, raw: bool = False, **extra: Any) -> dict[str, Any]:
+def summarise(
+    op: str,
+    size: int,
+    batch: int,
+    latencies: list[float],
+    elapsed: float,
+    keys: int,
+    errors: int,
+    raw: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
     """One workload's figures; ``raw`` adds every call's latency (us) so that slices can be merged."""
     latencies.sort()
     nbytes = keys * size
     if raw:
         extra["lat_us"] = [round(x * 1e6, 1) for x in latencies]
-    return {"op": op, "size": size, "batch": batch, "calls": len(latencies), "keys": keys,
-            "bytes": nbytes, "seconds": round(elapsed, 4),
-            "gbps": round(nbytes / elapsed / 1e9, 4) if size and elapsed > 0 else None,
-            "ops_per_s": round(keys / elapsed, 1) if elapsed > 0 else None,
-            "calls_per_s": round(len(latencies) / elapsed, 1) if elapsed > 0 else None,
-            "p50_us": round(percentile(latencies, 0.50) * 1e6, 1),
-            "p99_us": round(percentile(latencies, 0.99) * 1e6, 1),
-            "errors": errors, **extra}
+    return {
+        "op": op,
+        "size": size,
+        "batch": batch,
+        "calls": len(latencies),
+        "keys": keys,
+        "bytes": nbytes,
+        "seconds": round(elapsed, 4),
+        "gbps": round(nbytes / elapsed / 1e9, 4) if size and elapsed > 0 else None,
+        "ops_per_s": round(keys / elapsed, 1) if elapsed > 0 else None,
+        "calls_per_s": round(len(latencies) / elapsed, 1) if elapsed > 0 else None,
+        "p50_us": round(percentile(latencies, 0.50) * 1e6, 1),
+        "p99_us": round(percentile(latencies, 0.99) * 1e6, 1),
+        "errors": errors,
+        **extra,
+    }
 
 
 # --- the engine ------------------------------------------------------------------------------------
+
 
 class Engine:
     def __init__(self, backend: Backend) -> None:
@@ -162,8 +181,10 @@ class Engine:
             codes = self.b.put(part, offs, size, single=False)
             bad = [c for c in codes if c != 0]
             if bad:
-                raise RuntimeError(f"{self.b.name}: put of {len(bad)}/{len(part)} {size}-byte values failed "
-                                   f"(codes {sorted(set(bad))[:5]})")
+                raise RuntimeError(
+                    f"{self.b.name}: put of {len(bad)}/{len(part)} {size}-byte values failed "
+                    f"(codes {sorted(set(bad))[:5]})"
+                )
 
     def prepare(self, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -175,15 +196,17 @@ class Engine:
         self.exist = exists_keys(self.ns, spec.get("exists_keys", 1000))
         if not spec.get("attach"):
             self._put_all(self.exist, 4096)
-        return {"seconds": round(time.perf_counter() - t0, 3),
-                "objects": sum(len(k) for k in self.data.values()) + len(self.exist)}
+        return {
+            "seconds": round(time.perf_counter() - t0, 3),
+            "objects": sum(len(k) for k in self.data.values()) + len(self.exist),
+        }
 
     def warm(self, spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         fill = [f"{self.ns}/w/{i}" for i in range(int(spec.get("fill_bytes", 0)) // FILL_VALUE)]
         self._put_all(fill, FILL_VALUE)
         for start in range(0, len(fill), 64):
-            self.b.remove(fill[start:start + 64])
+            self.b.remove(fill[start : start + 64])
         read = 0
         for size, keys in self.data.items():
             for part, offs in chunks(keys, size, batch_of(size)):
@@ -202,8 +225,11 @@ class Engine:
         codes = self.b.exists(self.exist[:10] + [f"{self.ns}/missing"], single=False)
         if codes != [1] * 10 + [0]:
             raise RuntimeError(f"{self.b.name}: exists answered {codes}")
-        return {"seconds": round(time.perf_counter() - t0, 3), "filled_bytes": len(fill) * FILL_VALUE,
-                "read_bytes": read}
+        return {
+            "seconds": round(time.perf_counter() - t0, 3),
+            "filled_bytes": len(fill) * FILL_VALUE,
+            "read_bytes": read,
+        }
 
     # timed workloads ---------------------------------------------------------------------------------
 
@@ -222,11 +248,15 @@ class Engine:
 
     @staticmethod
     def _limits(spec: dict[str, Any]) -> tuple[float, int, int]:
-        return (float(spec.get("seconds", 1.0)), int(spec.get("min_calls", 3)),
-                min(MAX_CALLS, int(spec.get("max_calls", MAX_CALLS))))
+        return (
+            float(spec.get("seconds", 1.0)),
+            int(spec.get("min_calls", 3)),
+            min(MAX_CALLS, int(spec.get("max_calls", MAX_CALLS))),
+        )
 
-    def run_get(self, spec: dict[str, Any], getter: Callable[..., Result] | None = None,
-                op: str = "get") -> dict[str, Any]:
+    def run_get(
+        self, spec: dict[str, Any], getter: Callable[..., Result] | None = None, op: str = "get"
+    ) -> dict[str, Any]:
         size, batch = int(spec["size"]), int(spec["batch"])
         single = batch == 1
         calls = chunks(self.data[size], size, batch)
@@ -247,8 +277,7 @@ class Engine:
             now = after
             keys += len(part)
             errors += sum(1 for c in codes if c != size)
-        return summarise(op, size, batch, latencies, now - start, keys - errors, errors,
-                         bool(spec.get("raw")))
+        return summarise(op, size, batch, latencies, now - start, keys - errors, errors, bool(spec.get("raw")))
 
     def run_put(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Fresh keys every call (values are immutable: a second put of a key is a no-op in Mooncake and
@@ -277,8 +306,8 @@ class Engine:
                 written.extend(part)
                 if (elapsed >= seconds and len(latencies) >= min_calls) or len(latencies) >= max_calls:
                     break
-            for start in range(0, len(written), 1000):   # off the clock
-                self.b.remove(written[start:start + 1000])
+            for start in range(0, len(written), 1000):  # off the clock
+                self.b.remove(written[start : start + 1000])
         return summarise("put", size, batch, latencies, elapsed, keys - errors, errors, bool(spec.get("raw")))
 
     def run_exists(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +315,7 @@ class Engine:
         single = batch == 1
         keys_list = self.exist
         seconds, min_calls, max_calls = self._limits(spec)
-        calls = [keys_list[i:i + batch] for i in range(0, len(keys_list) - batch + 1, batch)] or [keys_list]
+        calls = [keys_list[i : i + batch] for i in range(0, len(keys_list) - batch + 1, batch)] or [keys_list]
         latencies: list[float] = []
         errors = keys = 0
         start = time.perf_counter()
@@ -303,8 +332,9 @@ class Engine:
             now = after
             keys += len(part)
             errors += sum(1 for c in codes if c != 1)
-        return summarise("exists", 0, len(calls[0]), latencies, now - start, keys - errors, errors,
-                         bool(spec.get("raw")))
+        return summarise(
+            "exists", 0, len(calls[0]), latencies, now - start, keys - errors, errors, bool(spec.get("raw"))
+        )
 
 
 def _protocol_stream() -> TextIO:

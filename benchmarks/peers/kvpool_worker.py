@@ -49,13 +49,13 @@ class KvpoolBackend(Backend):
     def _src(self, off: int, size: int) -> memoryview:
         view = self._src_views.get((off, size))
         if view is None:
-            view = self._src_views[(off, size)] = self.src.view[off:off + size]
+            view = self._src_views[(off, size)] = self.src.view[off : off + size]
         return view
 
     def _dst(self, off: int, size: int) -> memoryview:
         view = self._dst_views.get((off, size))
         if view is None:
-            view = self._dst_views[(off, size)] = self.dst.view[off:off + size]
+            view = self._dst_views[(off, size)] = self.dst.view[off : off + size]
         return view
 
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int, single: bool) -> Result:

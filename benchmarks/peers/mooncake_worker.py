@@ -53,8 +53,10 @@ class MooncakeBackend(Backend):
     def info(self) -> dict[str, Any]:
         from importlib.metadata import version
 
-        return {"version": version("mooncake-transfer-engine-non-cuda"),
-                "hostname": self.store.get_hostname()}
+        return {
+            "version": version("mooncake-transfer-engine-non-cuda"),
+            "hostname": self.store.get_hostname(),
+        }
 
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int, single: bool) -> Result:
         base = self.src.ptr
@@ -91,11 +93,21 @@ def run_store(master: str, segment: int, local_buffer: int) -> int:
     except Exception as exc:
         proto.write(json.dumps({"ok": False, "error": str(exc)}) + "\n")
         return 1
-    proto.write(json.dumps({"ok": True, "ready": "mooncake-store", "pid": os.getpid(),
-                            "hostname": store.get_hostname(), "segment": segment}) + "\n")
+    proto.write(
+        json.dumps(
+            {
+                "ok": True,
+                "ready": "mooncake-store",
+                "pid": os.getpid(),
+                "hostname": store.get_hostname(),
+                "segment": segment,
+            }
+        )
+        + "\n"
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        sys.stdin.read()          # serve until the orchestrator closes our stdin (or signals us)
+        sys.stdin.read()  # serve until the orchestrator closes our stdin (or signals us)
     finally:
         store.close()
     return 0

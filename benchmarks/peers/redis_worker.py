@@ -39,11 +39,16 @@ class RedisBackend(Backend):
 
         try:
             import hiredis  # noqa: F401
+
             parser = "hiredis"
         except ImportError:
             parser = "python"
-        return {"version": self.server.get("redis_version"), "redis_py": redis.__version__, "parser": parser,
-                "pipeline_bytes": self.pipeline_bytes}
+        return {
+            "version": self.server.get("redis_version"),
+            "redis_py": redis.__version__,
+            "parser": parser,
+            "pipeline_bytes": self.pipeline_bytes,
+        }
 
     def _depth(self, size: int, n: int) -> int:
         """Commands per pipeline round trip: the whole batch, or ``pipeline_bytes`` of values."""
@@ -52,13 +57,13 @@ class RedisBackend(Backend):
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int, single: bool) -> Result:
         src = self.src.view
         if single:
-            return [0 if self.redis.set(keys[0], src[offsets[0]:offsets[0] + size]) else -1]
+            return [0 if self.redis.set(keys[0], src[offsets[0] : offsets[0] + size]) else -1]
         depth = self._depth(size, len(keys))
         out: Result = []
         for start in range(0, len(keys), depth):
             pipe = self.redis.pipeline(transaction=False)
-            for key, off in zip(keys[start:start + depth], offsets[start:start + depth], strict=True):
-                pipe.set(key, src[off:off + size])
+            for key, off in zip(keys[start : start + depth], offsets[start : start + depth], strict=True):
+                pipe.set(key, src[off : off + size])
             out += [0 if ok else -1 for ok in pipe.execute()]
         return out
 
@@ -70,19 +75,19 @@ class RedisBackend(Backend):
             values = []
             for start in range(0, len(keys), depth):
                 pipe = self.redis.pipeline(transaction=False)
-                for key in keys[start:start + depth]:
+                for key in keys[start : start + depth]:
                     pipe.get(key)
                 values += pipe.execute()
         if self.copy_out:  # only the warm step's byte-for-byte check; timed calls keep the bytes objects
             for value, off in zip(values, offsets, strict=True):
                 if value is not None:
-                    self.dst.view[off:off + len(value)] = value
+                    self.dst.view[off : off + len(value)] = value
         return [len(v) if v is not None else -1 for v in values]
 
     def exists(self, keys: Sequence[str], single: bool) -> Result:
         if single:
             return [int(self.redis.exists(keys[0]))]
-        pipe = self.redis.pipeline(transaction=False)   # exists answers are tiny: always one round trip
+        pipe = self.redis.pipeline(transaction=False)  # exists answers are tiny: always one round trip
         for key in keys:
             pipe.exists(key)
         return [int(v) for v in pipe.execute()]
@@ -98,8 +103,12 @@ class RedisBackend(Backend):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--pipeline-bytes", type=int, default=0,
-                        help="split a batched call into pipelines of this many value bytes (0: one pipeline)")
+    parser.add_argument(
+        "--pipeline-bytes",
+        type=int,
+        default=0,
+        help="split a batched call into pipelines of this many value bytes (0: one pipeline)",
+    )
     parser.add_argument("--spec", help="a command (JSON object) or a list of them, instead of stdin")
     args = parser.parse_args(argv)
     return serve(lambda: RedisBackend(args.port, args.pipeline_bytes), args.spec)

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PEERS_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-mooncake")   # as setup.sh
+PEERS_VENV = Path(os.environ.get("PEERS_VENV") or HERE / ".venv-mooncake")  # as setup.sh
 PEERS_PY = PEERS_VENV / "bin" / "python"
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -74,6 +74,7 @@ def log(msg: str) -> None:
 
 # --- processes -----------------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,14 +99,20 @@ class WorkerGone(RuntimeError):
 class Proc:
     """A child in its own session (process group): stopping it stops everything it started."""
 
-    def __init__(self, name: str, cmd: list[str], logdir: Path, env: dict[str, str] | None = None,
-                 pipes: bool = False) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], logdir: Path, env: dict[str, str] | None = None, pipes: bool = False
+    ) -> None:
         self.name = name
         self.log_path = logdir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if pipes else self._log, stderr=self._log,
-                                     stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE if pipes else self._log,
+            stderr=self._log,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self._buf = b""
 
     def readline(self, timeout: float) -> str:
@@ -159,8 +166,14 @@ class Proc:
 class Worker(Proc):
     """A client process speaking _workload.py's JSON-line protocol."""
 
-    def __init__(self, name: str, cmd: list[str], logdir: Path, env: dict[str, str] | None = None,
-                 ready_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        logdir: Path,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 120.0,
+    ) -> None:
         super().__init__(name, cmd, logdir, env, pipes=True)
         self.ready = self._answer(ready_timeout)
 
@@ -188,6 +201,7 @@ class Worker(Proc):
 
 
 # --- the three systems -----------------------------------------------------------------------------------
+
 
 class System:
     name = "?"
@@ -225,21 +239,50 @@ class Mooncake(System):
         if not masters:
             raise RuntimeError("mooncake_master not found: run benchmarks/peers/setup.sh")
         port, metrics = free_port(), free_port()
-        master = Proc("mooncake-master", [str(masters[0]), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-                                          f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
-                                          "--enable_ha=false", "--enable_http_metadata_server=false"],
-                      self.logdir)
+        master = Proc(
+            "mooncake-master",
+            [
+                str(masters[0]),
+                f"--rpc_port={port}",
+                "--rpc_address=127.0.0.1",
+                f"--metrics_port={metrics}",
+                "--metrics_host=127.0.0.1",
+                "--enable_ha=false",
+                "--enable_http_metadata_server=false",
+            ],
+            self.logdir,
+        )
         self.procs.append(master)
         wait_port(port, master.proc, 30, "mooncake_master")
         addr = f"127.0.0.1:{port}"
-        store = Worker("mooncake-store", [str(PEERS_PY), str(HERE / "mooncake_worker.py"), "store",
-                                          "--master", addr, "--segment", str(self.segment),
-                                          "--local-buffer", str(16 * MiB)], self.logdir)
+        store = Worker(
+            "mooncake-store",
+            [
+                str(PEERS_PY),
+                str(HERE / "mooncake_worker.py"),
+                "store",
+                "--master",
+                addr,
+                "--segment",
+                str(self.segment),
+                "--local-buffer",
+                str(16 * MiB),
+            ],
+            self.logdir,
+        )
         self.procs.append(store)
-        self.client = Worker("mooncake-client", [str(PEERS_PY), str(HERE / "mooncake_worker.py"), "client",
-                                                 "--master", addr], self.logdir)
-        self.info = {"master": addr, "segment_bytes": self.segment, "protocol": "tcp",
-                     "metadata": "P2PHANDSHAKE", "version": self.client.ready.get("version")}
+        self.client = Worker(
+            "mooncake-client",
+            [str(PEERS_PY), str(HERE / "mooncake_worker.py"), "client", "--master", addr],
+            self.logdir,
+        )
+        self.info = {
+            "master": addr,
+            "segment_bytes": self.segment,
+            "protocol": "tcp",
+            "metadata": "P2PHANDSHAKE",
+            "version": self.client.ready.get("version"),
+        }
 
 
 class Redis(System):
@@ -247,24 +290,54 @@ class Redis(System):
     pipeline_bytes = 1 * MiB
 
     def fill_bytes(self, dataset: int) -> int:
-        return self.segment // 6    # one put window: Redis' memory is its allocator's, not a segment
+        return self.segment // 6  # one put window: Redis' memory is its allocator's, not a segment
 
     def start(self) -> None:
         port = free_port()
         workdir = self.logdir / "redis"
         workdir.mkdir(exist_ok=True)
-        server = Proc("redis-server", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no", "--dir", str(workdir),
-                                       "--protected-mode", "yes", "--daemonize", "no", "--logfile", ""],
-                      self.logdir)
+        server = Proc(
+            "redis-server",
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--protected-mode",
+                "yes",
+                "--daemonize",
+                "no",
+                "--logfile",
+                "",
+            ],
+            self.logdir,
+        )
         self.procs.append(server)
         wait_port(port, server.proc, 30, "redis-server")
-        cmd = [str(PEERS_PY), str(HERE / "redis_worker.py"), "--port", str(port),
-               "--pipeline-bytes", str(self.pipeline_bytes)]
+        cmd = [
+            str(PEERS_PY),
+            str(HERE / "redis_worker.py"),
+            "--port",
+            str(port),
+            "--pipeline-bytes",
+            str(self.pipeline_bytes),
+        ]
         self.client = Worker("redis-client", cmd, self.logdir)
-        self.info = {"port": port, "persistence": "off", "version": self.client.ready.get("version"),
-                     "redis_py": self.client.ready.get("redis_py"), "parser": self.client.ready.get("parser"),
-                     "pipeline_bytes": self.pipeline_bytes}
+        self.info = {
+            "port": port,
+            "persistence": "off",
+            "version": self.client.ready.get("version"),
+            "redis_py": self.client.ready.get("redis_py"),
+            "parser": self.client.ready.get("parser"),
+            "pipeline_bytes": self.pipeline_bytes,
+        }
 
 
 class Kvpool(System):
@@ -280,10 +353,17 @@ class Kvpool(System):
         self.cluster = LocalCluster(stores=1, store_size=str(self.segment), base_dir=self.logdir / "kvpool")
         self.cluster.start()
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-        self.client = Worker("kvpool-client", [sys.executable, str(HERE / "kvpool_worker.py"),
-                                               "--master", self.cluster.master], self.logdir, env=env)
-        self.info = {"master": self.cluster.master, "store_size_bytes": self.segment,
-                     "version": self.client.ready.get("version")}
+        self.client = Worker(
+            "kvpool-client",
+            [sys.executable, str(HERE / "kvpool_worker.py"), "--master", self.cluster.master],
+            self.logdir,
+            env=env,
+        )
+        self.info = {
+            "master": self.cluster.master,
+            "store_size_bytes": self.segment,
+            "version": self.client.ready.get("version"),
+        }
 
     def stop(self, fast: bool = False) -> None:
         try:
@@ -295,6 +375,7 @@ class Kvpool(System):
 
 
 # --- ceilings --------------------------------------------------------------------------------------------
+
 
 def _ceiling_funcs() -> tuple[Callable[[int, float], float | None], Callable[[int], float | None], str]:
     """benchmarks/ceiling.py's measurements (the same ones `make bench` compares against)."""
@@ -308,6 +389,7 @@ def _ceiling_funcs() -> tuple[Callable[[int, float], float | None], Callable[[in
 
 # --- statistics ------------------------------------------------------------------------------------------
 
+
 def merge_slices(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One workload's slices (each with its raw latencies) as one measurement."""
     lat = sorted(x for p in parts for x in p.pop("lat_us"))
@@ -319,12 +401,22 @@ def merge_slices(parts: list[dict[str, Any]]) -> dict[str, Any]:
     def pct(q: float) -> float | None:
         return lat[min(len(lat) - 1, max(0, round(q * (len(lat) - 1))))] if lat else None
 
-    return {"op": first["op"], "size": first["size"], "batch": first["batch"], "calls": len(lat),
-            "keys": keys, "bytes": nbytes, "seconds": round(secs, 4), "slices": len(parts),
-            "gbps": round(nbytes / secs / 1e9, 4) if first["size"] and secs > 0 else None,
-            "ops_per_s": round(keys / secs, 1) if secs > 0 else None,
-            "calls_per_s": round(len(lat) / secs, 1) if secs > 0 else None,
-            "p50_us": pct(0.50), "p99_us": pct(0.99), "errors": sum(p.get("errors", 0) for p in parts)}
+    return {
+        "op": first["op"],
+        "size": first["size"],
+        "batch": first["batch"],
+        "calls": len(lat),
+        "keys": keys,
+        "bytes": nbytes,
+        "seconds": round(secs, 4),
+        "slices": len(parts),
+        "gbps": round(nbytes / secs / 1e9, 4) if first["size"] and secs > 0 else None,
+        "ops_per_s": round(keys / secs, 1) if secs > 0 else None,
+        "calls_per_s": round(len(lat) / secs, 1) if secs > 0 else None,
+        "p50_us": pct(0.50),
+        "p99_us": pct(0.99),
+        "errors": sum(p.get("errors", 0) for p in parts),
+    }
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -340,8 +432,10 @@ def _metric(row: dict[str, Any]) -> float | None:
     return row.get("ops_per_s") if row["op"] == "exists" else row.get("gbps")
 
 
-def summarise(samples: dict[tuple[str, str, int, int], list[dict[str, Any]]],
-              missing: dict[tuple[str, str, int, int], str]) -> list[dict[str, Any]]:
+def summarise(
+    samples: dict[tuple[str, str, int, int], list[dict[str, Any]]],
+    missing: dict[tuple[str, str, int, int], str],
+) -> list[dict[str, Any]]:
     rows = []
     for (system, op, size, batch), runs in samples.items():
         row: dict[str, Any] = {"system": system, "op": op, "size": size, "batch": batch}
@@ -353,8 +447,20 @@ def summarise(samples: dict[tuple[str, str, int, int], list[dict[str, Any]]],
         rows.append(row)
     for (system, op, size, batch), reason in missing.items():
         if (system, op, size, batch) not in samples:
-            rows.append({"system": system, "op": op, "size": size, "batch": batch, "gbps": None,
-                         "ops_per_s": None, "p50_us": None, "p99_us": None, "runs": 0, "missing": reason})
+            rows.append(
+                {
+                    "system": system,
+                    "op": op,
+                    "size": size,
+                    "batch": batch,
+                    "gbps": None,
+                    "ops_per_s": None,
+                    "p50_us": None,
+                    "p99_us": None,
+                    "runs": 0,
+                    "missing": reason,
+                }
+            )
     return rows
 
 
@@ -369,17 +475,28 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peers: dict[str, float] = {p: v for p, v in measured.items() if v is not None}
         best = max(peers, key=lambda p: peers[p]) if peers else None
         kv_value = _metric(kv) if kv else None
-        out.append({"workload": _label(op, size, batch), "op": op, "size": size, "batch": batch,
-                    "metric": "ops_per_s" if op == "exists" else "gbps", "kvpool": kv_value,
-                    "mooncake": peers.get("mooncake"), "redis": peers.get("redis"), "best_peer": best,
-                    "kvpool/mooncake": _ratio(kv_value, peers.get("mooncake")),
-                    "kvpool/redis": _ratio(kv_value, peers.get("redis")),
-                    "kvpool/best_peer": _ratio(kv_value, peers[best] if best else None)})
+        out.append(
+            {
+                "workload": _label(op, size, batch),
+                "op": op,
+                "size": size,
+                "batch": batch,
+                "metric": "ops_per_s" if op == "exists" else "gbps",
+                "kvpool": kv_value,
+                "mooncake": peers.get("mooncake"),
+                "redis": peers.get("redis"),
+                "best_peer": best,
+                "kvpool/mooncake": _ratio(kv_value, peers.get("mooncake")),
+                "kvpool/redis": _ratio(kv_value, peers.get("redis")),
+                "kvpool/best_peer": _ratio(kv_value, peers[best] if best else None),
+            }
+        )
     return out
 
 
-def acceptance(rows: list[dict[str, Any]], ceiling: dict[int, float | None],
-               memcpy: float | None) -> dict[str, dict[str, Any]]:
+def acceptance(
+    rows: list[dict[str, Any]], ceiling: dict[int, float | None], memcpy: float | None
+) -> dict[str, dict[str, Any]]:
     by = {(r["system"], r["op"], r["size"], r["batch"]): r for r in rows}
 
     def value(system: str, op: str, size: int, batch: int) -> float | None:
@@ -388,9 +505,8 @@ def acceptance(rows: list[dict[str, Any]], ceiling: dict[int, float | None],
 
     def line(kv: float | None, ref: float | None, need: float, ref_name: str, **extra: Any) -> dict[str, Any]:
         r = _ratio(kv, ref)
-        ok = kv is not None and ref is not None and ref > 0 and kv / ref >= need   # unrounded
-        return {"pass": ok, "kvpool": kv, ref_name: ref, "ratio": r,
-                "required_ratio": need, **extra}
+        ok = kv is not None and ref is not None and ref > 0 and kv / ref >= need  # unrounded
+        return {"pass": ok, "kvpool": kv, ref_name: ref, "ratio": r, "required_ratio": need, **extra}
 
     out: dict[str, dict[str, Any]] = {}
     for op in ("put", "get"):
@@ -401,22 +517,40 @@ def acceptance(rows: list[dict[str, Any]], ceiling: dict[int, float | None],
             known = {p: v for p, v in peers.items() if v is not None}
             best = max(known, key=lambda p: known[p]) if known else None
             out[f"{op}_batched_{_size(size)}_vs_best_peer"] = line(
-                kv, known.get(best) if best else None, 1.5, "best_peer_gbps", best_peer=best, unit="GB/s")
+                kv, known.get(best) if best else None, 1.5, "best_peer_gbps", best_peer=best, unit="GB/s"
+            )
             out[f"{op}_batched_{_size(size)}_vs_tcp_ceiling"] = line(
-                kv, ceiling.get(size), 0.8, "ceiling_tcp_gbps", unit="GB/s")
-    out["get_single_64KiB_vs_mooncake"] = line(value("kvpool", "get", 64 * KiB, 1),
-                                               value("mooncake", "get", 64 * KiB, 1), 2.0, "mooncake_gbps",
-                                               unit="GB/s")
+                kv, ceiling.get(size), 0.8, "ceiling_tcp_gbps", unit="GB/s"
+            )
+    out["get_single_64KiB_vs_mooncake"] = line(
+        value("kvpool", "get", 64 * KiB, 1),
+        value("mooncake", "get", 64 * KiB, 1),
+        2.0,
+        "mooncake_gbps",
+        unit="GB/s",
+    )
     for size in (1 * MiB, 4 * MiB):
         out[f"same_node_get_{_size(size)}_vs_memcpy"] = line(
-            value("kvpool", "get_same_node", size, CALL_BYTES // size), memcpy, 0.5, "memcpy_gbps",
-            unit="GB/s")
-    out["exists_single_vs_mooncake"] = line(value("kvpool", "exists", 0, 1),
-                                            value("mooncake", "exists", 0, 1), 1.0, "mooncake_ops_per_s",
-                                            unit="calls/s")
-    out["batch_exists_vs_mooncake"] = line(value("kvpool", "exists", 0, EXISTS_KEYS),
-                                           value("mooncake", "exists", 0, EXISTS_KEYS), 1.0,
-                                           "mooncake_ops_per_s", unit="keys/s")
+            value("kvpool", "get_same_node", size, CALL_BYTES // size),
+            memcpy,
+            0.5,
+            "memcpy_gbps",
+            unit="GB/s",
+        )
+    out["exists_single_vs_mooncake"] = line(
+        value("kvpool", "exists", 0, 1),
+        value("mooncake", "exists", 0, 1),
+        1.0,
+        "mooncake_ops_per_s",
+        unit="calls/s",
+    )
+    out["batch_exists_vs_mooncake"] = line(
+        value("kvpool", "exists", 0, EXISTS_KEYS),
+        value("mooncake", "exists", 0, EXISTS_KEYS),
+        1.0,
+        "mooncake_ops_per_s",
+        unit="keys/s",
+    )
     for name, entry in out.items():
         if entry["kvpool"] is None:
             row = by.get(("kvpool", *_acceptance_key(name)))
@@ -441,6 +575,7 @@ def _acceptance_key(name: str) -> tuple[str, int, int]:
 
 # --- output ----------------------------------------------------------------------------------------------
 
+
 def _fmt(v: float | None, op: str) -> str:
     if v is None:
         return "-"
@@ -450,15 +585,22 @@ def _fmt(v: float | None, op: str) -> str:
 
 
 def human(doc: dict[str, Any]) -> str:
-    lines = [f"kvpool vs peers, {doc['date']} on {doc['machine']['summary']}; "
-             f"medians of {doc['runs']} run(s); kvpool {doc.get('kvpool_revision', '?')}",
-             f"load average during the run (1 min, per round): {doc['load_average']}",
-             "TCP ceiling (raw loopback, Python): " + ", ".join(
-                 f"{_size(int(s))} {v:.2f} GB/s" for s, v in doc["ceiling_tcp_gbps_by_size"].items()
-                 if v is not None) + f"; memcpy {doc['memcpy_gbps'] or 0:.2f} GB/s", ""]
+    lines = [
+        f"kvpool vs peers, {doc['date']} on {doc['machine']['summary']}; "
+        f"medians of {doc['runs']} run(s); kvpool {doc.get('kvpool_revision', '?')}",
+        f"load average during the run (1 min, per round): {doc['load_average']}",
+        "TCP ceiling (raw loopback, Python): "
+        + ", ".join(
+            f"{_size(int(s))} {v:.2f} GB/s" for s, v in doc["ceiling_tcp_gbps_by_size"].items() if v is not None
+        )
+        + f"; memcpy {doc['memcpy_gbps'] or 0:.2f} GB/s",
+        "",
+    ]
     by = {(r["system"], r["op"], r["size"], r["batch"]): r for r in doc["rows"]}
-    head = (f"{'workload':<32}{'kvpool':>11}{'mooncake':>11}{'redis':>11}{'kv/mc':>8}{'kv/best':>9}"
-            f"{'kv p50 us':>11}{'mc p50 us':>11}{'rd p50 us':>11}")
+    head = (
+        f"{'workload':<32}{'kvpool':>11}{'mooncake':>11}{'redis':>11}{'kv/mc':>8}{'kv/best':>9}"
+        f"{'kv p50 us':>11}{'mc p50 us':>11}{'rd p50 us':>11}"
+    )
     lines += ["GB/s (exists: calls/s single, keys/s batch)", head, "-" * len(head)]
     rat = {(r["op"], r["size"], r["batch"]): r for r in doc["ratios"]}
     for op, size, batch in _workloads():
@@ -471,9 +613,11 @@ def human(doc: dict[str, Any]) -> str:
         r = rat.get((op, size, batch), {})
         kv_mc = r.get("kvpool/mooncake")
         kv_best = r.get("kvpool/best_peer")
-        lines.append(f"{_label(op, size, batch):<32}{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}"
-                     f"{(f'{kv_mc:.2f}x' if kv_mc else '-'):>8}{(f'{kv_best:.2f}x' if kv_best else '-'):>9}"
-                     f"{p50s[0]:>11}{p50s[1]:>11}{p50s[2]:>11}")
+        lines.append(
+            f"{_label(op, size, batch):<32}{cells[0]:>11}{cells[1]:>11}{cells[2]:>11}"
+            f"{(f'{kv_mc:.2f}x' if kv_mc else '-'):>8}{(f'{kv_best:.2f}x' if kv_best else '-'):>9}"
+            f"{p50s[0]:>11}{p50s[1]:>11}{p50s[2]:>11}"
+        )
         row = by.get(("kvpool", op, size, batch))
         if row and row.get("missing"):
             lines.append(f"{'':<32}kvpool: {row['missing']}")
@@ -482,9 +626,11 @@ def human(doc: dict[str, Any]) -> str:
         ref = next(v for k, v in entry.items() if k.endswith(("_gbps", "_ops_per_s")))
         ratio = "-" if entry["ratio"] is None else f"{entry['ratio']}x"
         verdict = "PASS" if entry["pass"] else "FAIL"
-        lines.append(f"  {verdict}  {name:<34} kvpool {entry['kvpool'] or '-'} vs "
-                     f"{ref or '-'} -> {ratio} (need {entry['required_ratio']}x)"
-                     + (f"  [{entry['missing']}]" if entry.get("missing") else ""))
+        lines.append(
+            f"  {verdict}  {name:<34} kvpool {entry['kvpool'] or '-'} vs "
+            f"{ref or '-'} -> {ratio} (need {entry['required_ratio']}x)"
+            + (f"  [{entry['missing']}]" if entry.get("missing") else "")
+        )
     if doc.get("errors"):
         lines += ["", "errors:"] + [f"  {k}: {v}" for k, v in doc["errors"].items()]
     return "\n".join(lines)
@@ -494,10 +640,23 @@ def kvpool_revision() -> str:
     """The commit of the kvpool checkout measured, "+dirty" when src/ differs from it (read-only git)."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, env=env, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "src"],
-                               capture_output=True, timeout=10, env=env).returncode != 0
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            env=env,
+            check=True,
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "src"],
+                capture_output=True,
+                timeout=10,
+                env=env,
+            ).returncode
+            != 0
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -515,15 +674,25 @@ def machine() -> dict[str, Any]:
         mem = f"{int(Path('/proc/meminfo').read_text().split()[1]) / 2**20:.0f} GiB"
     os_name = ""
     with contextlib.suppress(OSError):
-        os_name = next(t.split("=", 1)[1].strip('"') for t in Path("/etc/os-release").read_text().splitlines()
-                       if t.startswith("PRETTY_NAME="))
+        os_name = next(
+            t.split("=", 1)[1].strip('"')
+            for t in Path("/etc/os-release").read_text().splitlines()
+            if t.startswith("PRETTY_NAME=")
+        )
     cpus = os.cpu_count()
-    return {"cpus": cpus, "cpu_model": model, "memory": mem, "os": os_name, "kernel": platform.release(),
-            "python": platform.python_version(),
-            "summary": f"{os_name}, {cpus} CPUs ({model}), {mem} RAM, loopback only"}
+    return {
+        "cpus": cpus,
+        "cpu_model": model,
+        "memory": mem,
+        "os": os_name,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "summary": f"{os_name}, {cpus} CPUs ({model}), {mem} RAM, loopback only",
+    }
 
 
 # --- orchestration ---------------------------------------------------------------------------------------
+
 
 def check_setup() -> list[str]:
     problems = []
@@ -546,16 +715,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run (small data, short timings, 1 run)")
     parser.add_argument("--runs", type=int, help="rounds; the medians are over them (default 3, --quick 1)")
     parser.add_argument("--seconds", type=float, help="timed seconds per workload per run (default 1.0)")
-    parser.add_argument("--slices", type=int, help="a workload's seconds are split into this many turns per "
-                                                    "system, alternating (default 4, --quick 2)")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        help="a workload's seconds are split into this many turns per system, alternating (default 4, --quick 2)",
+    )
     parser.add_argument("--dataset-mib", type=int, help="get dataset per value size, MiB (default 256)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    parser.add_argument("--redis-pipeline-bytes", type=int, default=Redis.pipeline_bytes,
-                        help="Redis batched calls are sent as pipelines of this many value bytes (0: the "
-                             "whole batch in one pipeline); default 1 MiB, Redis' best here")
+    parser.add_argument(
+        "--redis-pipeline-bytes",
+        type=int,
+        default=Redis.pipeline_bytes,
+        help="Redis batched calls are sent as pipelines of this many value bytes (0: the "
+        "whole batch in one pipeline); default 1 MiB, Redis' best here",
+    )
     parser.add_argument("--setup", action="store_true", help="run setup.sh first")
-    parser.add_argument("--keep-logs", action="store_true",
-                        help="keep the processes' logs (they are always kept on failure)")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the processes' logs (they are always kept on failure)"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 unless every acceptance line passes")
     parser.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
     parser.add_argument("--show", metavar="PATH", help="print the table of a saved JSON object and exit")
@@ -576,8 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup:
         subprocess.run(["bash", str(HERE / "setup.sh")], check=True, stdout=sys.stderr)
     if (problems := check_setup()) and any(n in PEERS for n in names):
-        print(f"peers not set up ({'; '.join(problems)}): run bash benchmarks/peers/setup.sh "
-              "(or pass --setup)", file=sys.stderr)
+        print(
+            f"peers not set up ({'; '.join(problems)}): run bash benchmarks/peers/setup.sh (or pass --setup)",
+            file=sys.stderr,
+        )
         return 2
     tcp_ceiling, memcpy, ceiling_source = _ceiling_funcs()
 
@@ -602,13 +781,25 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 system.start()
                 assert system.client is not None
-                prep = system.client.request({"cmd": "prepare", "ns": f"bench{os.getpid()}",
-                                              "sizes": list(SIZES), "dataset_bytes": dataset,
-                                              "exists_keys": EXISTS_KEYS}, 600)
-                warm = system.client.request({"cmd": "warm",
-                                              "fill_bytes": system.fill_bytes(len(SIZES) * dataset)}, 600)
-                system.info.update(start_s=round(time.monotonic() - t0, 2), prepare_s=prep["seconds"],
-                                   warm_s=warm["seconds"], warm_fill_bytes=warm["filled_bytes"])
+                prep = system.client.request(
+                    {
+                        "cmd": "prepare",
+                        "ns": f"bench{os.getpid()}",
+                        "sizes": list(SIZES),
+                        "dataset_bytes": dataset,
+                        "exists_keys": EXISTS_KEYS,
+                    },
+                    600,
+                )
+                warm = system.client.request(
+                    {"cmd": "warm", "fill_bytes": system.fill_bytes(len(SIZES) * dataset)}, 600
+                )
+                system.info.update(
+                    start_s=round(time.monotonic() - t0, 2),
+                    prepare_s=prep["seconds"],
+                    warm_s=warm["seconds"],
+                    warm_fill_bytes=warm["filled_bytes"],
+                )
                 log(f"{name} ready: {system.info}")
             except Exception as exc:
                 errors[name] = f"{type(exc).__name__}: {exc}"
@@ -642,19 +833,26 @@ def main(argv: list[str] | None = None) -> int:
                         key = (system.name, op, size, batch)
                         if key in missing:
                             continue
-                        if system.client is None:   # stopped after its client went away
+                        if system.client is None:  # stopped after its client went away
                             missing[key] = f"{system.name} stopped after an earlier failure"
                             continue
-                        spec = {"cmd": "run", "op": op, "size": size, "batch": batch,
-                                "seconds": seconds / slices, "min_calls": 1, "window_bytes": dataset,
-                                "raw": True}
+                        spec = {
+                            "cmd": "run",
+                            "op": op,
+                            "size": size,
+                            "batch": batch,
+                            "seconds": seconds / slices,
+                            "min_calls": 1,
+                            "window_bytes": dataset,
+                            "raw": True,
+                        }
                         try:
                             parts[system.name].append(system.client.request(spec, 120 + 20 * seconds))
                         except Exception as exc:
                             missing[key] = f"{type(exc).__name__}: {exc}"
                             errors[f"{system.name} {_label(op, size, batch)}"] = missing[key]
                             failed = True
-                            if isinstance(exc, WorkerGone):   # hung or dead: stop it, skip its workloads
+                            if isinstance(exc, WorkerGone):  # hung or dead: stop it, skip its workloads
                                 log(f"{system.name}: {exc}; stopping it")
                                 system.stop(fast=True)
                             continue
@@ -666,9 +864,11 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     res = merge_slices(parts[system.name])
                     samples.setdefault(key, []).append(res)
-                    log(f"  {system.name:<8} {_label(op, size, batch):<24} "
+                    log(
+                        f"  {system.name:<8} {_label(op, size, batch):<24} "
                         f"{_fmt(_metric({'op': op, **res}), op):>10}  p50 {res['p50_us']:.0f} us"
-                        + (f"  ERRORS {res['errors']}" if res.get("errors") else ""))
+                        + (f"  ERRORS {res['errors']}" if res.get("errors") else "")
+                    )
             for size, values in turns.items():
                 ceilings[size].append(statistics.mean(values) if values else tcp_ceiling(size, seconds))
                 log(f"  tcp ceiling {_size(size)} (interleaved): {ceilings[size][-1] or 0:.2f} GB/s")
@@ -685,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"logs kept in {logdir}")
         else:
             import shutil
+
             shutil.rmtree(logdir, ignore_errors=True)
 
     if interrupted:
@@ -701,10 +902,18 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance": acceptance(rows, ceiling_med, memcpy_med),
         "runs": runs,
         "load_average": [round(x, 2) for x in loads + [os.getloadavg()[0]]],
-        "config": {"seconds_per_workload": seconds, "dataset_bytes_per_size": dataset,
-                   "segment_bytes": segment, "call_bytes": CALL_BYTES, "exists_keys": EXISTS_KEYS,
-                   "slices": slices, "quick": args.quick, "redis_pipeline_bytes": args.redis_pipeline_bytes,
-                   "ceiling_source": ceiling_source, "memcpy_bytes": 64 * MiB},
+        "config": {
+            "seconds_per_workload": seconds,
+            "dataset_bytes_per_size": dataset,
+            "segment_bytes": segment,
+            "call_bytes": CALL_BYTES,
+            "exists_keys": EXISTS_KEYS,
+            "slices": slices,
+            "quick": args.quick,
+            "redis_pipeline_bytes": args.redis_pipeline_bytes,
+            "ceiling_source": ceiling_source,
+            "memcpy_bytes": 64 * MiB,
+        },
         "systems": {s.name: s.info for s in systems},
         "errors": errors,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -38,8 +38,9 @@ def _drain_status(client: MasterClient, node: str) -> pb.DrainJobStatus | None:
 def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> None:
     if etcd_binary() is None and not os.environ.get("CI"):
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    cluster = make_cluster(stores=3, store_size="64MiB", ha=True, master_args=HA_ARGS,
-                           nodes=["node-a", "node-b", "node-c"])
+    cluster = make_cluster(
+        stores=3, store_size="64MiB", ha=True, master_args=HA_ARGS, nodes=["node-a", "node-b", "node-c"]
+    )
     load = Load(cluster.master, 8 << 10)
     drain: subprocess.Popen[str] | None = None
     try:
@@ -51,9 +52,23 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
         old = wait_for_leader(endpoints, 10.0)
         old_info = next(m for m in cluster.masters if m.address == old)
         drain = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master, "drain", "node-a",
-             "--wait", "--timeout", "120", "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvpool.tools.admin",
+                "--master",
+                cluster.master,
+                "drain",
+                "node-a",
+                "--wait",
+                "--timeout",
+                "120",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         # Kill the leader as soon as the drain is under way (some objects moved, most not).
         probe = MasterClient(old)
         deadline = time.monotonic() + 30
@@ -76,9 +91,11 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
         assert drain.returncode == 0, err[-3000:]
         doc = json.loads(out)
         assert doc["status"] == "DRAINED"
-        print(f"\ndrain across a leader SIGKILL: {at_kill.objects_moved} objects moved before the kill, "
-              f"{doc['objects_moved']} in all ({doc['bytes_moved'] / 2**20:.1f} MiB) "
-              f"in {doc['seconds']:.2f} s; done {time.monotonic() - killed:.2f} s after the kill")
+        print(
+            f"\ndrain across a leader SIGKILL: {at_kill.objects_moved} objects moved before the kill, "
+            f"{doc['objects_moved']} in all ({doc['bytes_moved'] / 2**20:.1f} MiB) "
+            f"in {doc['seconds']:.2f} s; done {time.monotonic() - killed:.2f} s after the kill"
+        )
         assert doc["objects_moved"] >= on_a
         assert nodes(cluster)["node-a"]["used"] == 0
         checked, good, bad = load.verify()

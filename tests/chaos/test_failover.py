@@ -15,8 +15,8 @@ from kvpool.common.errors import ErrorCode
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools.bench_failover import Workload, run_failover, serving_leader, wait_for_leader
-from kvpool.tools.local_cluster import LocalCluster
 from kvpool.tools.etcd_process import etcd_binary
+from kvpool.tools.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd, pytest.mark.integration]
 
@@ -35,7 +35,8 @@ def test_leader_sigkill_under_load(ha_cluster: LocalCluster) -> None:
     result = run_failover(ha_cluster, fault="sigkill")
     print(f"\nfailover after SIGKILL of the leader: {asdict(result)}")
     assert result.wrong_reads == 0
-    assert result.new_leader and result.new_leader != result.old_leader
+    assert result.new_leader
+    assert result.new_leader != result.old_leader
     assert result.seconds_to_new_leader < 4.0, "test-sized failover must serve within 4 s"
     assert result.seconds_to_first_read < 4.0
     assert result.recovered_fraction >= 0.99
@@ -54,10 +55,13 @@ def test_all_masters_killed_and_restarted(ha_cluster: LocalCluster) -> None:
         leader = wait_for_leader([m.address for m in restarted], 30.0)
         assert leader
         checked, good, wrong = workload.verify_until(t0 - 1.0, 0.99, 20.0)
-        print(f"\nall masters restarted: leader after {time.monotonic() - t0:.2f} s, "
-              f"{good}/{checked} objects back, {wrong} wrong")
+        print(
+            f"\nall masters restarted: leader after {time.monotonic() - t0:.2f} s, "
+            f"{good}/{checked} objects back, {wrong} wrong"
+        )
         assert wrong == 0
-        assert checked == 300 and good >= 0.99 * checked
+        assert checked == 300
+        assert good >= 0.99 * checked
     finally:
         workload.close()
 
@@ -65,8 +69,13 @@ def test_all_masters_killed_and_restarted(ha_cluster: LocalCluster) -> None:
 def test_frozen_etcd_member_does_not_stop_the_cluster(etcd3: object, make_cluster: Callable[..., LocalCluster]) -> None:
     # The default leader lease (3 s): an etcd member that stops answering costs a client one attempt
     # timeout before it moves on, which a 1 s lease would not survive.
-    cluster = make_cluster(stores=1, store_size="32MiB", ha=True, master_args=("--store-ttl-s", "3"),
-                           etcd_endpoints=etcd3.endpoints)  # type: ignore[attr-defined]
+    cluster = make_cluster(
+        stores=1,
+        store_size="32MiB",
+        ha=True,
+        master_args=("--store-ttl-s", "3"),
+        etcd_endpoints=etcd3.endpoints,
+    )  # type: ignore[attr-defined]
     workload = Workload(cluster.master, 4 << 10)
     try:
         assert workload.write_until(50, "pre", 20.0) == 50
@@ -78,11 +87,14 @@ def test_frozen_etcd_member_does_not_stop_the_cluster(etcd3: object, make_cluste
             seconds = time.monotonic() - started
             leader = wait_for_leader([m.address for m in cluster.masters], 15.0)
             checked, good, wrong = workload.verify(time.monotonic())
-            print(f"\netcd member frozen: 100 writes acknowledged in {seconds:.2f} s, {good}/{checked} objects "
-                  f"readable, {workload.failed} failed calls, leader {leader}")
+            print(
+                f"\netcd member frozen: 100 writes acknowledged in {seconds:.2f} s, {good}/{checked} objects "
+                f"readable, {workload.failed} failed calls, leader {leader}"
+            )
             assert acked == 100, "the cluster stopped serving writes while one etcd member was frozen"
             assert leader, "no serving leader while one etcd member is frozen"
-            assert wrong == 0 and good == checked
+            assert wrong == 0
+            assert good == checked
         finally:
             etcd3.cont(frozen)  # type: ignore[attr-defined]
     finally:

@@ -43,13 +43,34 @@ def hosts() -> Iterator[NetnsPair]:
         assert not [ns for ns in NetnsPair.leftovers() if ns in (pair.a, pair.b)], "namespaces left behind"
 
 
-def _workload(pair: NetnsPair, master: str, out: Path, seconds: float,
-              prefix: str) -> subprocess.Popen[bytes]:
-    cmd = [*pair.exec_prefix(pair.a), sys.executable, "-m", "kvpool.tools.workload", "--master", master,
-           "--prefix", prefix, "--threads", "3", "--duration", str(seconds), "--timeout", str(TIMEOUT_S),
-           "--slack", str(SLACK_S), "--out", str(out)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(out.with_suffix(".log"), "wb"), start_new_session=True)  # noqa: SIM115
+def _workload(pair: NetnsPair, master: str, out: Path, seconds: float, prefix: str) -> subprocess.Popen[bytes]:
+    cmd = [
+        *pair.exec_prefix(pair.a),
+        sys.executable,
+        "-m",
+        "kvpool.tools.workload",
+        "--master",
+        master,
+        "--prefix",
+        prefix,
+        "--threads",
+        "3",
+        "--duration",
+        str(seconds),
+        "--timeout",
+        str(TIMEOUT_S),
+        "--slack",
+        str(SLACK_S),
+        "--out",
+        str(out),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(out.with_suffix(".log"), "wb"),
+        start_new_session=True,
+    )  # noqa: SIM115
 
 
 def _result(proc: subprocess.Popen[bytes], out: Path, timeout: float) -> WorkloadResult:
@@ -74,8 +95,13 @@ STATS = textwrap.dedent("""
 
 def _stats(pair: NetnsPair, master: str) -> dict[str, Any]:
     """The master's view, asked from host A (the test process itself is on neither host)."""
-    out = subprocess.run([*pair.exec_prefix(pair.a), sys.executable, "-c", STATS, master],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [*pair.exec_prefix(pair.a), sys.executable, "-c", STATS, master],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     doc: dict[str, Any] = json.loads(out)
     return doc
 
@@ -104,17 +130,31 @@ def test_client_partitioned_from_one_store_not_from_the_master(hosts: NetnsPair,
         after = _result(procs[-1], after_path, PHASE_S + 60)
         stats = _stats(hosts, cluster.master)
 
-        print("\nRELIABILITY " + json.dumps({
-            "fault": "client partitioned from one store (iptables DROP), not from the master",
-            "ops": during.ops, "errors": during.errors, "wrong_reads": during.wrong_reads,
-            "reads_checked": during.reads_checked, "lost": during.lost, "overruns": during.overruns,
-            "worst_overrun_s": round(during.worst_overrun_s, 3), "after_heal_ops": after.ops,
-            "after_heal_errors": after.errors, "segments_at_master": stats["segments"]}, sort_keys=True))
+        print(
+            "\nRELIABILITY "
+            + json.dumps(
+                {
+                    "fault": "client partitioned from one store (iptables DROP), not from the master",
+                    "ops": during.ops,
+                    "errors": during.errors,
+                    "wrong_reads": during.wrong_reads,
+                    "reads_checked": during.reads_checked,
+                    "lost": during.lost,
+                    "overruns": during.overruns,
+                    "worst_overrun_s": round(during.worst_overrun_s, 3),
+                    "after_heal_ops": after.ops,
+                    "after_heal_errors": after.errors,
+                    "segments_at_master": stats["segments"],
+                },
+                sort_keys=True,
+            )
+        )
         assert during.wrong_reads == 0
         assert after.wrong_reads == 0
         assert during.overruns == 0, f"calls past their deadline (worst {during.worst_overrun_s:.3f} s)"
-        assert sum(n for code, n in during.errors.items() if code in ("TIMEOUT", "CONNECTION_FAILED")) > 0, \
+        assert sum(n for code, n in during.errors.items() if code in ("TIMEOUT", "CONNECTION_FAILED")) > 0, (
             "the partition should have been felt"
+        )
         assert stats["segments"] == 2, "store B was partitioned from the client only, never from the master"
         assert after.errors == {}, f"after healing: {after.errors}"
         assert after.overruns == 0

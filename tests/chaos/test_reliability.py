@@ -49,10 +49,16 @@ def report(fault: str, **figures: Any) -> None:
 
 def load_figures(result: WorkloadResult) -> dict[str, Any]:
     hist = result.histogram()
-    return {"ops": result.ops, "errors": result.errors, "wrong_reads": result.wrong_reads,
-            "reads_checked": result.reads_checked, "load_lost": result.lost, "overruns": result.overruns,
-            "worst_overrun_s": round(result.worst_overrun_s, 3),
-            "p99_ms": round(hist.percentile(99) / 1e3, 1)}
+    return {
+        "ops": result.ops,
+        "errors": result.errors,
+        "wrong_reads": result.wrong_reads,
+        "reads_checked": result.reads_checked,
+        "load_lost": result.lost,
+        "overruns": result.overruns,
+        "worst_overrun_s": round(result.worst_overrun_s, 3),
+        "p99_ms": round(hist.percentile(99) / 1e3, 1),
+    }
 
 
 def assert_load_ok(result: WorkloadResult) -> None:
@@ -78,8 +84,9 @@ def seed(c: PoolClient, count: int, prefix: str = "seed") -> list[str]:
 
 def placement(c: PoolClient, keys: list[str]) -> dict[str, str]:
     """key -> the tcp endpoint of its (single) replica, from the master (no lease taken)."""
-    resp = c._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=keys, no_lease=True),
-                          Deadline(5.0))
+    resp = c._master.call(
+        frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=keys, no_lease=True), Deadline(5.0)
+    )
     return {k: r.replicas[0].tcp_endpoint for k, r in zip(keys, resp.results, strict=True) if r.replicas}
 
 
@@ -87,7 +94,7 @@ def check_all(c: PoolClient, keys: list[str]) -> tuple[list[str], list[str], lis
     """(readable with the right bytes, missing, WRONG) among ``keys``."""
     good, missing, wrong = [], [], []
     for start in range(0, len(keys), 32):
-        chunk = keys[start:start + 32]
+        chunk = keys[start : start + 32]
         for key, value in zip(chunk, c.batch_get(chunk, timeout=5.0), strict=True):
             if value is None:
                 missing.append(key)
@@ -108,8 +115,7 @@ def test_store_sigkill_during_reads_and_writes(make_cluster: Callable[..., Local
         victim = cluster.stores[0]
         on_victim = [k for k in keys if where.get(k) == victim.address]
         on_survivor = [k for k in keys if where.get(k) != victim.address]
-        load = BackgroundLoad(c, "load", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S,
-                              slack_s=SLACK_S).start()
+        load = BackgroundLoad(c, "load", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S).start()
         wait_for(lambda: load.ops >= 100, 30.0, "the load to get going")
         killed_at = time.monotonic()
         cluster.kill(victim)
@@ -120,11 +126,16 @@ def test_store_sigkill_during_reads_and_writes(make_cluster: Callable[..., Local
         result = load.stop()
         good, missing, wrong = check_all(c, keys)
         fresh = MixedWorkload(c, "after", value_bytes=VALUE, timeout_s=TIMEOUT_S).put(16)
-        report("store SIGKILL under load", seeded=len(keys), on_killed_store=len(on_victim),
-               lost=len(missing),
-               survivors_readable=f"{len(set(good) & set(on_survivor))}/{len(on_survivor)}",
-               expired_after_s=round(expired_after, 2), puts_after_expiry=f"{len(fresh)}/16",
-               **load_figures(result))
+        report(
+            "store SIGKILL under load",
+            seeded=len(keys),
+            on_killed_store=len(on_victim),
+            lost=len(missing),
+            survivors_readable=f"{len(set(good) & set(on_survivor))}/{len(on_survivor)}",
+            expired_after_s=round(expired_after, 2),
+            puts_after_expiry=f"{len(fresh)}/16",
+            **load_figures(result),
+        )
         assert not wrong, f"wrong bytes for {wrong[:5]}"
         assert set(good) == set(on_survivor), "an object on the surviving store became unreadable"
         assert set(missing) == set(on_victim), "objects of the killed store should be clean misses"
@@ -151,8 +162,14 @@ def _start_writer(master: str, n: int, tmp: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "KVPOOL_FAILPOINTS": "client.put.before_end=sleep:120"}
     script = tmp / "writer.py"
     script.write_text(WRITER)
-    return subprocess.Popen([sys.executable, str(script), master, str(n), str(VALUE)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), master, str(n), str(VALUE)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> None:
@@ -188,17 +205,18 @@ def killable() -> Iterator[list[subprocess.Popen[str]]]:
             proc.wait(10)
 
 
-def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[..., LocalCluster],
-                                                     tmp_path: Path,
-                                                     killable: list[subprocess.Popen[str]]) -> None:
+def test_writer_killed_between_put_start_and_put_end(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path, killable: list[subprocess.Popen[str]]
+) -> None:
     cluster = make_cluster(stores=2, store_size="64MiB", master_args=(*FAST_MASTER, "--put-timeout-s", "2"))
     c = fast_client(cluster.master)
     try:
         keys = seed(c, 100)
         before = c.stats()
         # Readers only, of the seeded keys: any miss or error would be the abandoned put's doing.
-        load = BackgroundLoad(c, "readers", threads=2, value_bytes=VALUE, timeout_s=TIMEOUT_S,
-                              slack_s=SLACK_S, mix=(0, 1, 0, 0))
+        load = BackgroundLoad(
+            c, "readers", threads=2, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S, mix=(0, 1, 0, 0)
+        )
         for w in load.workloads:
             w.live = list(keys)
         load.start()
@@ -215,10 +233,14 @@ def test_writer_killed_between_put_start_and_put_end(make_cluster: Callable[...,
         result = load.stop()
         abandoned = [f"abandoned-{i}" for i in range(32)]
         good, missing, wrong = check_all(c, abandoned)
-        report("writer SIGKILLed between PutStart and PutEnd", bytes_held=held,
-               reclaimed_after_s=round(reclaimed_after, 2),
-               reclaimed_puts=after.reclaimed_puts - before.reclaimed_puts,
-               abandoned_keys_readable=len(good), **load_figures(result))
+        report(
+            "writer SIGKILLed between PutStart and PutEnd",
+            bytes_held=held,
+            reclaimed_after_s=round(reclaimed_after, 2),
+            reclaimed_puts=after.reclaimed_puts - before.reclaimed_puts,
+            abandoned_keys_readable=len(good),
+            **load_figures(result),
+        )
         assert held >= 32 * VALUE, "the writer should have held its allocation at the failpoint"
         assert after.reclaimed_puts - before.reclaimed_puts == 32
         assert not wrong
@@ -248,8 +270,15 @@ def test_slow_store_behind_a_delaying_proxy(make_cluster: Callable[..., LocalClu
             for name, delay, stall in schedule:
                 proxy.delay_s, proxy.stall = delay, stall
                 # Gets of the slow store's objects, puts to either store, no removes (checked after).
-                load = BackgroundLoad(c, f"slow{len(phases)}", threads=3, value_bytes=VALUE,
-                                      timeout_s=TIMEOUT_S, slack_s=SLACK_S, mix=(0.3, 0.6, 0.1, 0.0))
+                load = BackgroundLoad(
+                    c,
+                    f"slow{len(phases)}",
+                    threads=3,
+                    value_bytes=VALUE,
+                    timeout_s=TIMEOUT_S,
+                    slack_s=SLACK_S,
+                    mix=(0.3, 0.6, 0.1, 0.0),
+                )
                 for w in load.workloads:
                     w.live = list(slow)
                 load.start()
@@ -259,8 +288,7 @@ def test_slow_store_behind_a_delaying_proxy(make_cluster: Callable[..., LocalClu
                 assert_load_ok(result)
             proxy.delay_s, proxy.stall = 0.0, False
             good, missing, wrong = check_all(c, slow)
-            report("slow store (delaying proxy)", slow_objects=len(slow), readable_after=len(good),
-                   phases=phases)
+            report("slow store (delaying proxy)", slow_objects=len(slow), readable_after=len(good), phases=phases)
             assert not wrong
             assert len(good) == len(slow), "every object must read back once the store is fast"
             # A 0.2 s round trip fits a 1 s deadline; calls queued behind others on a lane may not.
@@ -274,15 +302,19 @@ def test_slow_store_behind_a_delaying_proxy(make_cluster: Callable[..., LocalClu
 
 # ---------------------------------------------------------------------- one etcd member of three lost
 def test_one_etcd_member_of_three_killed(etcd3: Any, make_cluster: Callable[..., LocalCluster]) -> None:
-    cluster = make_cluster(stores=2, store_size="64MiB", ha=True, master_args=("--store-ttl-s", "3"),
-                           etcd_endpoints=etcd3.endpoints)
+    cluster = make_cluster(
+        stores=2,
+        store_size="64MiB",
+        ha=True,
+        master_args=("--store-ttl-s", "3"),
+        etcd_endpoints=etcd3.endpoints,
+    )
     masters = [m.address for m in cluster.masters]
     assert wait_for_leader(masters, 30.0), "no leader before the fault"
     c = fast_client(cluster.master)
     try:
         keys = seed(c, 100)
-        load = BackgroundLoad(c, "etcd", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S,
-                              slack_s=SLACK_S).start()
+        load = BackgroundLoad(c, "etcd", threads=3, value_bytes=VALUE, timeout_s=TIMEOUT_S, slack_s=SLACK_S).start()
         wait_for(lambda: load.ops >= 100, 30.0, "the load to get going")
         # The raft leader: its loss costs an etcd election on top of the masters' clients failing over.
         # (test_failover.py freezes the first endpoint, the one every kvpool etcd client starts on.)
@@ -294,8 +326,14 @@ def test_one_etcd_member_of_three_killed(etcd3: Any, make_cluster: Callable[...,
         leader = wait_for_leader(masters, 15.0)
         result = load.stop()
         good, missing, wrong = check_all(c, keys)
-        report("one etcd member of three SIGKILLed (the raft leader)", killed_member=victim,
-               kvpool_leader_after=bool(leader), seeded=len(keys), lost=len(missing), **load_figures(result))
+        report(
+            "one etcd member of three SIGKILLed (the raft leader)",
+            killed_member=victim,
+            kvpool_leader_after=bool(leader),
+            seeded=len(keys),
+            lost=len(missing),
+            **load_figures(result),
+        )
         assert leader, "no serving kvpool leader with 2 of 3 etcd members"
         assert not wrong
         assert not missing, "no object may be lost to an etcd member failure"
@@ -314,8 +352,13 @@ class _Direct(TcpTransport):
 
     def _moved(self, requests: Sequence[TransferRequest]) -> list[TransferRequest]:
         proxied, real = self._map
-        return [dataclasses.replace(r, replica=dataclasses.replace(
-            r.replica, tcp_endpoint=r.replica.tcp_endpoint.replace(proxied, real))) for r in requests]
+        return [
+            dataclasses.replace(
+                r,
+                replica=dataclasses.replace(r.replica, tcp_endpoint=r.replica.tcp_endpoint.replace(proxied, real)),
+            )
+            for r in requests
+        ]
 
     def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
         return super().submit(self._moved(requests), deadline)
@@ -325,7 +368,8 @@ class _Direct(TcpTransport):
 
 
 def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(
-        make_cluster: Callable[..., LocalCluster]) -> None:
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
     """A put times out behind a stalled link and is revoked; a new put is written straight to the store;
     then the stalled WRITE arrives, its grant still valid. Without the revoke quarantine the new put got
     the revoked range and those late bytes overwrote it (every read: CHECKSUM_MISMATCH)."""
@@ -335,8 +379,10 @@ def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(
         cluster = make_cluster(stores=0, store_size="64MiB")
         cluster.add_store(extra=("--host", "127.0.0.2", "--advertise", "127.0.0.3", "--port", str(port)))
         slow = fast_client(cluster.master)
-        direct = PoolClient(config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=5.0),
-                            transports=TransportSet([_Direct(f"127.0.0.3:{port}", f"127.0.0.2:{port}")]))
+        direct = PoolClient(
+            config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=5.0),
+            transports=TransportSet([_Direct(f"127.0.0.3:{port}", f"127.0.0.2:{port}")]),
+        )
         try:
             proxy.stall = True
             assert slow.put("revoked", b"\xee" * VALUE) == ErrorCode.TIMEOUT  # then revoked by the client
@@ -344,13 +390,14 @@ def test_late_bytes_of_a_revoked_put_never_overwrite_a_newer_object(
             connections = proxy.connections
             proxy.stall = False  # the revoked put's WRITE now reaches the store, its grant still valid
             # Delivered, answered and closed by the store: the late WRITE has been served (or refused).
-            wait_for(lambda: proxy.pending == 0 and proxy.active == 0, 10.0,
-                     "the proxy to deliver the late bytes")
+            wait_for(lambda: proxy.pending == 0 and proxy.active == 0, 10.0, "the proxy to deliver the late bytes")
             value = direct.get("newer")
-            report("late WRITE of a revoked put", proxy_connections=connections,
-                   newer_object_intact=value == expected_value("newer", VALUE))
-            assert value == expected_value("newer", VALUE), \
-                "a revoked put's late bytes overwrote a newer object"
+            report(
+                "late WRITE of a revoked put",
+                proxy_connections=connections,
+                newer_object_intact=value == expected_value("newer", VALUE),
+            )
+            assert value == expected_value("newer", VALUE), "a revoked put's late bytes overwrote a newer object"
         finally:
             slow.close()
             direct.close()

@@ -15,8 +15,20 @@ SOAK_S = 20
 
 
 def test_short_soak_with_a_store_restart() -> None:
-    cmd = [sys.executable, "-m", "kvpool.tools.cli", "bench", "soak", "--duration", str(SOAK_S),
-           "--clients", "2", "--threads", "2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool.tools.cli",
+        "bench",
+        "soak",
+        "--duration",
+        str(SOAK_S),
+        "--clients",
+        "2",
+        "--threads",
+        "2",
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=SOAK_S + 180)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout.strip().splitlines()[-1])

@@ -29,8 +29,9 @@ PAGE = 64
 
 def engine_for(master: str, model: Any, seed: int) -> EngineClient:
     pool = PoolClient(master)
-    return EngineClient(pool, Namespace(model=f"tiny-llama-{seed}"), page_size=PAGE,
-                        page_bytes=tl.object_bytes(model, PAGE))
+    return EngineClient(
+        pool, Namespace(model=f"tiny-llama-{seed}"), page_size=PAGE, page_bytes=tl.object_bytes(model, PAGE)
+    )
 
 
 def write(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,8 +50,13 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.close()
         engine.pool.close()
-    return {"pages": len(keys), "queued": queued, "flushed": flushed,
-            "written": metrics["writeback_done"] == 1, "prefill_ms": prefill_ms}
+    return {
+        "pages": len(keys),
+        "queued": queued,
+        "flushed": flushed,
+        "written": metrics["writeback_done"] == 1,
+        "prefill_ms": prefill_ms,
+    }
 
 
 def read(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,15 +67,14 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
         keys = engine.page_keys(full)
         hit = engine.prefix_length(keys)
         host = tl.page_buffer(model, hit, PAGE)
-        handle = engine.prefetch(keys[:hit], tl.byte_views(host), deadline_s=10, policy="wait_complete",
-                                 hit_pages=hit)
+        handle = engine.prefetch(keys[:hit], tl.byte_views(host), deadline_s=10, policy="wait_complete", hit_pages=hit)
         fetched = handle.wait(timeout=30)
     finally:
         engine.close()
         engine.pool.close()
     reused = fetched * PAGE
     start = time.perf_counter()
-    cache = tl.cache_from_layers(tl.from_pages(host[:2 * fetched])) if fetched else None
+    cache = tl.cache_from_layers(tl.from_pages(host[: 2 * fetched])) if fetched else None
     suffix_logits, _ = tl.forward(model, full[reused:], cache)
     suffix_ms = (time.perf_counter() - start) * 1000
     start = time.perf_counter()
@@ -78,16 +83,20 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
     expected = full_logits[:, reused:]
     # Control: the same suffix without the prefix's KV must differ - the cache is what makes it right.
     alone, _ = tl.forward(model, full[reused:])
-    return {"hit_pages": hit, "fetched_pages": fetched, "reused_tokens": reused,
-            "suffix_tokens": len(full) - reused,
-            "max_abs_diff": float((suffix_logits - expected).abs().max()),
-            "control_diff": float((alone - expected).abs().max()),
-            "suffix_prefill_ms": suffix_ms, "full_prefill_ms": full_ms}
+    return {
+        "hit_pages": hit,
+        "fetched_pages": fetched,
+        "reused_tokens": reused,
+        "suffix_tokens": len(full) - reused,
+        "max_abs_diff": float((suffix_logits - expected).abs().max()),
+        "control_diff": float((alone - expected).abs().max()),
+        "suffix_prefill_ms": suffix_ms,
+        "full_prefill_ms": full_ms,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("write", "read"))
     parser.add_argument("--master", required=True)
     parser.add_argument("--seed", type=int, default=0)

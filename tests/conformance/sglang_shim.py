@@ -17,8 +17,9 @@ import types
 
 import pytest
 
-INSTALL_HINT = ("run scripts/install-conformance-deps.sh (torch 2.13.0 CPU, sglang 0.5.23 --no-deps, "
-                "transformers 5.24.0)")
+INSTALL_HINT = (
+    "run scripts/install-conformance-deps.sh (torch 2.13.0 CPU, sglang 0.5.23 --no-deps, transformers 5.24.0)"
+)
 
 
 def require(*modules: str) -> None:

@@ -39,10 +39,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def run_worker(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, env=env,
-                          timeout=180, check=False, cwd=ROOT)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, f"worker {args[0]} failed:\n{done.stderr[-3000:]}"
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -53,12 +64,10 @@ def test_a_second_process_reuses_the_prefix_kv_exactly(cluster: LocalCluster) ->
     assert wrote["queued"]
     assert wrote["written"]
 
-    got = run_worker("read", "--master", cluster.master, "--seed", "7", "--prompt-len", "256",
-                     "--turn-len", "40")
+    got = run_worker("read", "--master", cluster.master, "--seed", "7", "--prompt-len", "256", "--turn-len", "40")
     assert got["hit_pages"] == 4
     assert got["fetched_pages"] == 4
     assert got["reused_tokens"] == 256
     assert got["suffix_tokens"] == 40
     assert got["max_abs_diff"] <= 1e-4, got
     assert got["control_diff"] > 1e-2, got  # without the prefix KV the logits are clearly different
-

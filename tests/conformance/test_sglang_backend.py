@@ -26,7 +26,7 @@ from tests.support.cluster import client
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
-PAGE = 64      # --page-size 64
+PAGE = 64  # --page-size 64
 Backends = Callable[..., Any]
 LAYERS, HEADS, DIM = 4, 2, 32
 MODULE = "kvpool.client.connectors.sglang"
@@ -45,8 +45,9 @@ def sgl() -> SimpleNamespace:
         StorageBackendFactory,
     )
 
-    return SimpleNamespace(torch=torch, HiCacheStorage=HiCacheStorage, Config=HiCacheStorageConfig,
-                           Factory=StorageBackendFactory)
+    return SimpleNamespace(
+        torch=torch, HiCacheStorage=HiCacheStorage, Config=HiCacheStorageConfig, Factory=StorageBackendFactory
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 class FakeHostPool:
     """SGLang's host KV pool, page_first layout, as the backend sees it (pool_host/mha.py, mla.py)."""
 
-    def __init__(self, torch: Any, pages: int, mla: bool = False, seed: int | None = None,
-                 layout: str = "page_first") -> None:
+    def __init__(
+        self, torch: Any, pages: int, mla: bool = False, seed: int | None = None, layout: str = "page_first"
+    ) -> None:
         self.torch = torch
         self.page_size, self.layer_num, self.head_num, self.head_dim = PAGE, LAYERS, HEADS, DIM
         self.layout = layout
@@ -92,8 +94,8 @@ class FakeHostPool:
 
     def _page(self, index: int) -> Any:
         if self.layout == "layer_first":
-            return self.kv_buffer[:, :, index:index + PAGE]
-        return self.kv_buffer[index:index + PAGE] if self.mla else self.kv_buffer[:, index:index + PAGE]
+            return self.kv_buffer[:, :, index : index + PAGE]
+        return self.kv_buffer[index : index + PAGE] if self.mla else self.kv_buffer[:, index : index + PAGE]
 
     def get_data_page(self, index: int, flat: bool = True) -> Any:
         page = self._page(index)
@@ -115,14 +117,38 @@ class FakeHostPool:
         return all(t.equal(self._page((mine + i) * PAGE), other._page((theirs + i) * PAGE)) for i in range(n))
 
 
-def make_backend(sgl: SimpleNamespace, master: str, model: str = "org/model-a", *, tp_rank: int = 0,
-                 tp_size: int = 1, mla: bool = False, **extra: Any) -> Any:
-    config = sgl.Config(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
-                        is_page_first_layout=True, model_name=model,
-                        extra_config={"backend_name": "kvpool", "module_path": MODULE,
-                                      "class_name": "KvPoolHiCacheStorage", "interface_v1": 1,
-                                      "master": master, "timeout_s": 5, "lookup_timeout_s": 2, **extra})
+def make_backend(
+    sgl: SimpleNamespace,
+    master: str,
+    model: str = "org/model-a",
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    **extra: Any,
+) -> Any:
+    config = sgl.Config(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config={
+            "backend_name": "kvpool",
+            "module_path": MODULE,
+            "class_name": "KvPoolHiCacheStorage",
+            "interface_v1": 1,
+            "master": master,
+            "timeout_s": 5,
+            "lookup_timeout_s": 2,
+            **extra,
+        },
+    )
     return sgl.Factory.create_backend("dynamic", config, None)
 
 
@@ -191,11 +217,13 @@ def test_a_missing_page_fails_only_from_there(sgl: SimpleNamespace, backends: Ba
     assert dst.same_pages(src, 0, 0, 2)
 
 
-def test_mla_pages_are_written_once_by_the_writer_rank_and_shared(sgl: SimpleNamespace,
-                                                                 backends: Backends,
-                                                                 cluster: LocalCluster) -> None:
-    rank0, rank1 = backends("org/mla", tp_rank=0, tp_size=2, mla=True), backends("org/mla", tp_rank=1,
-                                                                                    tp_size=2, mla=True)
+def test_mla_pages_are_written_once_by_the_writer_rank_and_shared(
+    sgl: SimpleNamespace, backends: Backends, cluster: LocalCluster
+) -> None:
+    rank0, rank1 = (
+        backends("org/mla", tp_rank=0, tp_size=2, mla=True),
+        backends("org/mla", tp_rank=1, tp_size=2, mla=True),
+    )
     src0, src1 = FakeHostPool(sgl.torch, 4, mla=True, seed=3), FakeHostPool(sgl.torch, 4, mla=True, seed=4)
     rank0.register_mem_pool_host(src0)
     rank1.register_mem_pool_host(src1)
@@ -257,11 +285,14 @@ def test_legacy_get_set_batch_get_batch_set_exists(sgl: SimpleNamespace, backend
     assert v1.same_pages(src, 0, 0, 3)
 
 
-def test_layer_first_layout_goes_through_flat_pages_under_its_own_keys(sgl: SimpleNamespace,
-                                                                        backends: Backends) -> None:
+def test_layer_first_layout_goes_through_flat_pages_under_its_own_keys(
+    sgl: SimpleNamespace, backends: Backends
+) -> None:
     lf, pf = backends("org/layouts"), backends("org/layouts")
-    src, dst = (FakeHostPool(sgl.torch, 3, seed=13, layout="layer_first"),
-                FakeHostPool(sgl.torch, 3, layout="layer_first"))
+    src, dst = (
+        FakeHostPool(sgl.torch, 3, seed=13, layout="layer_first"),
+        FakeHostPool(sgl.torch, 3, layout="layer_first"),
+    )
     lf.register_mem_pool_host(src)
     pf.register_mem_pool_host(FakeHostPool(sgl.torch, 3))
     assert "layer-first" in lf.namespace.prefix
@@ -298,8 +329,9 @@ def test_concurrent_calls_from_sglangs_threads(sgl: SimpleNamespace, backends: B
     assert not errors
 
 
-def test_master_address_from_the_environment(sgl: SimpleNamespace, cluster: LocalCluster,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_master_address_from_the_environment(
+    sgl: SimpleNamespace, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVPOOL_MASTER", cluster.master)
     backend = make_backend(sgl, "")  # no "master" in the extra config
     try:
@@ -347,4 +379,5 @@ def test_keys_follow_sglang_page_hashes() -> None:
     # The hashes the engine passes are SGLang's page chain (reference §1.6 vectors).
     assert page_keys(list(range(8)), 4) == [
         "baed642339816affb3fe8719792d0e4ce82f12db72b7373d244eaa65445800fe",
-        "01414b052706d93bd0f1f1646c0e8ca2fa8ef5efd7bcc99f7a1cee8eb11ad052"]
+        "01414b052706d93bd0f1f1646c0e8ca2fa8ef5efd7bcc99f7a1cee8eb11ad052",
+    ]

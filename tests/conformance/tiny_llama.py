@@ -20,8 +20,15 @@ VOCAB = 512
 
 def load_model(seed: int = 0, layers: int = 4) -> Any:
     """A deterministic tiny Llama in eval mode, float32 on the CPU."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     return model.eval()

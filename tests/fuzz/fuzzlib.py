@@ -24,9 +24,17 @@ def examples(default: int) -> settings:
     """Hypothesis settings: ``default`` examples unless KVPOOL_FUZZ_EXAMPLES says otherwise; no deadline
     (the servers share a loaded machine), no database writes into the repository."""
     n = envs.KVPOOL_FUZZ_EXAMPLES.get() or default
-    return settings(max_examples=n, deadline=None, database=None, derandomize=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,
+        ],
+    )
 
 
 def corpus(target: str) -> list[tuple[str, bytes]]:
@@ -68,11 +76,11 @@ def mutated(draw: st.DrawFn, data: bytes) -> bytes:
         at = draw(st.integers(0, len(buf) - 2))
         struct.pack_into("<H", buf, at, draw(st.integers(0, 0xFFFF)))
     elif kind == "truncate":
-        del buf[draw(st.integers(0, len(buf))):]
+        del buf[draw(st.integers(0, len(buf))) :]
     elif kind == "extend":
         buf += draw(st.binary(min_size=1, max_size=64))
     elif buf:
         at = draw(st.integers(0, len(buf) - 1))
         chunk = draw(st.binary(min_size=1, max_size=32))
-        buf[at:at + len(chunk)] = chunk
+        buf[at : at + len(chunk)] = chunk
     return bytes(buf)

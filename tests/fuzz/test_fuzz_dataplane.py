@@ -55,7 +55,7 @@ class Target:
         actual = np.frombuffer(self.segment.view, dtype=np.uint8)
         mask = np.ones(SEG_SIZE, dtype=bool)
         for off, n in WRITE_RANGES:
-            mask[off:off + n] = False
+            mask[off : off + n] = False
         bad = np.nonzero((actual != self.pattern) & mask)[0]
         assert bad.size == 0, f"{bad.size} bytes changed outside the granted WRITE ranges, first at {bad[0]}"
 
@@ -65,14 +65,20 @@ def _make_target(tmp: Path, token: bytes) -> Target:
     pattern = np.random.default_rng(11).integers(0, 256, SEG_SIZE, dtype=np.uint8)
     np.frombuffer(seg.view, dtype=np.uint8)[:] = pattern
     secret = new_secret()
-    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(),
-                             stall_timeout_s=2.0, auth=TokenChecker(token), limits=ClientLimits(64, 64 << 20))
+    server = DataPlaneServer(
+        "127.0.0.1",
+        0,
+        {seg.id: seg},
+        {seg.id: secret},
+        Inventory(),
+        stall_timeout_s=2.0,
+        auth=TokenChecker(token),
+        limits=ClientLimits(64, 64 << 20),
+    )
     server.start()
     expiry = time.time_ns() // 1_000_000 + 3_600_000
-    grants = [make_grant(secret, GrantOp.WRITE, seg.id, off, n, expiry, f"w{off}".encode())
-              for off, n in WRITE_RANGES]
-    grants += [make_grant(secret, GrantOp.READ, seg.id, off, n, expiry, f"r{off}".encode())
-               for off, n in READ_RANGES]
+    grants = [make_grant(secret, GrantOp.WRITE, seg.id, off, n, expiry, f"w{off}".encode()) for off, n in WRITE_RANGES]
+    grants += [make_grant(secret, GrantOp.READ, seg.id, off, n, expiry, f"r{off}".encode()) for off, n in READ_RANGES]
     grants.append(make_grant(secret, GrantOp.WRITE, seg.id, 8192, 4096, 1, b"expired"))  # long expired
     return Target(server, seg, secret, pattern, token, grants)
 

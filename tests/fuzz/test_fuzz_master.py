@@ -36,8 +36,7 @@ from tests.fuzz.fuzzlib import corpus, examples, mutated
 
 TOKEN = b"master-fuzz-token"
 SERVICE = pb.DESCRIPTOR.services_by_name["MasterService"]
-GRPC_METHODS = {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name))
-                for m in SERVICE.methods}
+GRPC_METHODS = {m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)) for m in SERVICE.methods}
 MiB = 1 << 20
 
 
@@ -87,13 +86,26 @@ class InProcessMaster:
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMaster]:
     token_file = tmp_path_factory.mktemp("tok") / "token"
     token_file.write_bytes(TOKEN)
-    config = MasterConfig(host="127.0.0.1", port=0, metrics_port=-1, num_shards=16,
-                          token_file=str(token_file), max_batch=64, put_timeout_s=1.0)
+    config = MasterConfig(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=-1,
+        num_shards=16,
+        token_file=str(token_file),
+        max_batch=64,
+        put_timeout_s=1.0,
+    )
     m = InProcessMaster(config).start()
     try:
         for seg_id in (1, 2):  # two real-looking segments, so puts allocate
-            info = pb.SegmentInfo(id=seg_id, node="n", store_id=f"s{seg_id}", size=8 * MiB,
-                                  tcp_endpoint=f"127.0.0.1:{9000 + seg_id}", shm_path="")
+            info = pb.SegmentInfo(
+                id=seg_id,
+                node="n",
+                store_id=f"s{seg_id}",
+                size=8 * MiB,
+                tcp_endpoint=f"127.0.0.1:{9000 + seg_id}",
+                shm_path="",
+            )
             mount = pb.MountSegmentRequest(segment=info, secret=b"s" * 32)
             resp = grpc_raw(m, "MountSegment", mount.SerializeToString())
             assert pb.MountSegmentResponse.FromString(resp).status.code == 0
@@ -104,16 +116,23 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMaster
 
 # ---------------------------------------------------------------------- random messages
 _INT_BOUNDS = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_ENUM: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_ENUM: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
     FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
-KEYS = st.one_of(st.text(max_size=12),
-                 st.sampled_from(["", "k", "a" * 512, "a" * 513, "é" * 257, "\x00", "1"]),
-                 st.text(min_size=500, max_size=600))
+KEYS = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["", "k", "a" * 512, "a" * 513, "é" * 257, "\x00", "1"]),
+    st.text(min_size=500, max_size=600),
+)
 
 
 def _integers(lo: int, hi: int) -> st.SearchStrategy[int]:
@@ -220,8 +239,9 @@ def request_bytes(request_type: type[Message]) -> st.SearchStrategy[bytes]:
 
 
 # ---------------------------------------------------------------------- talking to the master
-def framed(m: InProcessMaster, op: int, payload: bytes, hello: bool = True,
-           length: int | None = None) -> tuple[int, bytes] | None:
+def framed(
+    m: InProcessMaster, op: int, payload: bytes, hello: bool = True, length: int | None = None
+) -> tuple[int, bytes] | None:
     """One request on a fresh framed connection; (status, payload) of the answer, None if it was closed."""
     with socket.create_connection(m.rpc, timeout=10) as sock:
         try:
@@ -241,8 +261,9 @@ def framed(m: InProcessMaster, op: int, payload: bytes, hello: bool = True,
 
 def grpc_raw(m: InProcessMaster, method: str, payload: bytes, token: bytes = TOKEN) -> bytes:
     with grpc.insecure_channel(m.grpc_endpoint) as channel:
-        call = channel.unary_unary(f"/{SERVICE.full_name}/{method}", request_serializer=None,
-                                   response_deserializer=None)
+        call = channel.unary_unary(
+            f"/{SERVICE.full_name}/{method}", request_serializer=None, response_deserializer=None
+        )
         return call(payload, timeout=10, metadata=grpc_metadata(token))  # type: ignore[no-any-return]
 
 
@@ -297,7 +318,8 @@ def test_fuzz_grpc_rpcs(master: InProcessMaster, data: st.DataObject) -> None:
         # handler runs); any other failure would be the handler's.
         details = exc.details() or ""
         refused_by_grpc = exc.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(
-            s in details for s in ("DecodeError", "Error parsing message", "eserializ"))
+            s in details for s in ("DecodeError", "Error parsing message", "eserializ")
+        )
         if not refused_by_grpc:
             raise AssertionError(f"{method}: {exc.code()} {details}") from exc
     else:

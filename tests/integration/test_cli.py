@@ -16,8 +16,14 @@ pytestmark = pytest.mark.integration
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
 def _kvpool(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -41,8 +47,18 @@ def test_local_up_status_admin_down(tmp_path: Path, ha: bool) -> None:
     if ha and etcd_binary() is None and not os.environ.get("CI"):
         pytest.skip("etcd is not installed")
     base = str(tmp_path / "cluster")
-    up = _kvpool("local", "up", "--stores", "2", "--size", "32MiB", "--dir", base, "--json",
-                 *(["--ha", "--master-arg=--leader-ttl-s=1"] if ha else []))
+    up = _kvpool(
+        "local",
+        "up",
+        "--stores",
+        "2",
+        "--size",
+        "32MiB",
+        "--dir",
+        base,
+        "--json",
+        *(["--ha", "--master-arg=--leader-ttl-s=1"] if ha else []),
+    )
     assert up.returncode == 0, up.stderr
     try:
         master = json.loads(up.stdout)["master"]
@@ -50,8 +66,9 @@ def test_local_up_status_admin_down(tmp_path: Path, ha: bool) -> None:
         status = _kvpool("local", "status", "--dir", base, "--json")
         procs = json.loads(status.stdout)["processes"]
         roles = sorted(p["role"] for p in procs)
-        assert roles == (["etcd", "master", "master", "master", "store", "store"] if ha else
-                         ["master", "store", "store"])
+        assert roles == (
+            ["etcd", "master", "master", "master", "store", "store"] if ha else ["master", "store", "store"]
+        )
         assert all({"role", "pid", "address", "node"} <= p.keys() for p in procs)
         env = {"KVPOOL_MASTER": master}
         nodes = _admin("nodes", "--json", env=env)
@@ -64,7 +81,8 @@ def test_local_up_status_admin_down(tmp_path: Path, ha: bool) -> None:
         info = json.loads(leader.stdout)
         assert info["leader"] in {p["address"] for p in procs if p["role"] == "master"}
         if ha:
-            assert info["view"] > 0 and len(info["followers"]) == 2
+            assert info["view"] > 0
+            assert len(info["followers"]) == 2
         summary = _admin("status", "--json", env=env)
         assert json.loads(summary.stdout)["stores"] == 2
     finally:
@@ -83,8 +101,23 @@ def test_admin_without_a_cluster_fails_clearly() -> None:
 
 
 def test_demo_runs_and_reports_hit_rates(tmp_path: Path) -> None:
-    result = _kvpool("demo", "--json", "--sessions", "6", "--turns", "4", "--system-tokens", "1024",
-                     "--turn-tokens", "256", "--store-size", "32MiB", "--page-bytes", "16KiB", timeout=240)
+    result = _kvpool(
+        "demo",
+        "--json",
+        "--sessions",
+        "6",
+        "--turns",
+        "4",
+        "--system-tokens",
+        "1024",
+        "--turn-tokens",
+        "256",
+        "--store-size",
+        "32MiB",
+        "--page-bytes",
+        "16KiB",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout.strip().splitlines()[-1])
     assert doc["wrong_reads"] == 0

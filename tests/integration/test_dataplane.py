@@ -67,8 +67,15 @@ class Store:
     def port(self) -> int:
         return self.server.port
 
-    def grant(self, op: GrantOp, offset: int, length: int, key: bytes = b"key", expiry_ms: int | None = None,
-              segment_id: int | None = None) -> Grant:
+    def grant(
+        self,
+        op: GrantOp,
+        offset: int,
+        length: int,
+        key: bytes = b"key",
+        expiry_ms: int | None = None,
+        segment_id: int | None = None,
+    ) -> Grant:
         if op == GrantOp.WRITE:
             self.granted.append((offset, length))
         expiry = now_ms() + 60_000 if expiry_ms is None else expiry_ms
@@ -82,7 +89,7 @@ class Store:
         actual = self.seg_bytes()
         mask = np.ones(len(actual), dtype=bool)
         for off, n in self.granted:
-            mask[off:off + n] = False
+            mask[off : off + n] = False
         bad = np.nonzero((actual != self.expected) & mask)[0]
         assert bad.size == 0, f"{bad.size} bytes changed outside any granted range, first at {bad[0]}"
 
@@ -196,7 +203,7 @@ def fresh_round_trip(store: Store, offset: int = SEG_SIZE - 4096, n: int = 4096)
         status, got = c.read(store.grant(GrantOp.READ, offset, n, b"fresh"))
     assert status == ErrorCode.OK
     assert got == data
-    store.expected[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+    store.expected[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
 
 
 # ---------------------------------------------------------------------- happy paths
@@ -231,8 +238,8 @@ def test_write_then_read_round_trips_exactly(store: Store, size: int) -> None:
         status, got = c.read(store.grant(GrantOp.READ, offset, size, b"obj"))
     assert status == ErrorCode.OK
     assert got == data
-    assert bytes(store.segment.view[offset:offset + size]) == data
-    store.expected[offset:offset + size] = np.frombuffer(data, dtype=np.uint8)
+    assert bytes(store.segment.view[offset : offset + size]) == data
+    store.expected[offset : offset + size] = np.frombuffer(data, dtype=np.uint8)
     seg = store.segment.id
     assert store.inventory.entries(seg) == [InventoryEntry(seg, b"obj", offset, size, 77)]
 
@@ -244,14 +251,15 @@ def test_parts_of_a_striped_object_on_several_connections(store: Store) -> None:
     conns = [Raw(store.port) for _ in range(4)]
     try:
         for i in (2, 0, 3):  # out of order, one part missing
-            assert conns[i].write(grant, data[i * part:(i + 1) * part], part_offset=i * part) == ErrorCode.OK
+            assert conns[i].write(grant, data[i * part : (i + 1) * part], part_offset=i * part) == ErrorCode.OK
         assert store.inventory.entries(store.segment.id) == []
-        assert conns[1].write(grant, data[part:2 * part], part_offset=part) == ErrorCode.OK
+        assert conns[1].write(grant, data[part : 2 * part], part_offset=part) == ErrorCode.OK
         assert [e.key for e in store.inventory.entries(store.segment.id)] == [b"striped"]
-        status, got = conns[0].read(store.grant(GrantOp.READ, 0, size, b"striped"), part_offset=part,
-                                    part_length=2 * part)
+        status, got = conns[0].read(
+            store.grant(GrantOp.READ, 0, size, b"striped"), part_offset=part, part_length=2 * part
+        )
         assert status == ErrorCode.OK
-        assert got == data[part:3 * part]
+        assert got == data[part : 3 * part]
     finally:
         for c in conns:
             c.close()
@@ -286,7 +294,7 @@ def test_pipelined_requests_are_answered_in_order(store: Store) -> None:
         for i, d in enumerate(datas):
             _, status, rid, payload = c.response()
             assert (status, rid, payload) == (0, 100 + i, d)
-            store.expected[i * 4096:i * 4096 + len(d)] = np.frombuffer(d, dtype=np.uint8)
+            store.expected[i * 4096 : i * 4096 + len(d)] = np.frombuffer(d, dtype=np.uint8)
 
 
 # -------------------------------------------------------------- rejected requests (connection stays usable)
@@ -310,8 +318,7 @@ def test_bad_mac_is_auth_failed_and_the_payload_is_drained(store: Store) -> None
 
 def test_read_grant_cannot_write(store: Store) -> None:
     read_grant = store.grant(GrantOp.READ, 0, 100)
-    replayed = Grant(GrantOp.WRITE, read_grant.segment_id, 0, 100, read_grant.expiry_ms, read_grant.key,
-                     read_grant.mac)
+    replayed = Grant(GrantOp.WRITE, read_grant.segment_id, 0, 100, read_grant.expiry_ms, read_grant.key, read_grant.mac)
     with Raw(store.port) as c:
         # The op is inside the MAC: a READ grant replayed in a WRITE frame does not verify.
         assert c.write(replayed, b"x" * 100) == ErrorCode.AUTH_FAILED
@@ -320,8 +327,9 @@ def test_read_grant_cannot_write(store: Store) -> None:
 def test_expired_grant(store: Store) -> None:
     store.granted.clear()
     with Raw(store.port) as c:
-        assert c.write(store.grant(GrantOp.WRITE, 0, 100, expiry_ms=now_ms() - 1), b"x" * 100) == \
-            ErrorCode.GRANT_EXPIRED
+        assert (
+            c.write(store.grant(GrantOp.WRITE, 0, 100, expiry_ms=now_ms() - 1), b"x" * 100) == ErrorCode.GRANT_EXPIRED
+        )
         store.granted.clear()
         old = store.grant(GrantOp.READ, 0, 100, expiry_ms=now_ms() - 1000)
         assert c.read(old)[0] == ErrorCode.GRANT_EXPIRED
@@ -350,10 +358,8 @@ def test_ranges_outside_the_grant_or_the_segment(store: Store) -> None:
         huge = (1 << 64) - 1
         assert c.read(store.grant(GrantOp.READ, huge, 1))[0] == ErrorCode.OUT_OF_BOUNDS
         assert c.read(store.grant(GrantOp.READ, 0, huge), part_length=10)[0] == ErrorCode.OUT_OF_BOUNDS
-        assert c.read(store.grant(GrantOp.READ, 0, 100), part_offset=50, part_length=51)[0] == \
-            ErrorCode.OUT_OF_BOUNDS
-        assert c.read(store.grant(GrantOp.READ, 0, 100), part_offset=huge, part_length=2)[0] == \
-            ErrorCode.OUT_OF_BOUNDS
+        assert c.read(store.grant(GrantOp.READ, 0, 100), part_offset=50, part_length=51)[0] == ErrorCode.OUT_OF_BOUNDS
+        assert c.read(store.grant(GrantOp.READ, 0, 100), part_offset=huge, part_length=2)[0] == ErrorCode.OUT_OF_BOUNDS
         assert c.ping() == ErrorCode.OK
     assert store.inventory.entries(store.segment.id) == []
 
@@ -374,8 +380,7 @@ def expect_closed_with(c: Raw, code: ErrorCode | None) -> None:
 def write_desc(grant: Grant, part_length: int, key_len: int | None = None, part_offset: int = 0) -> bytes:
     key_len = len(grant.key) if key_len is None else key_len
     g = grant
-    return DESC.pack(g.segment_id, g.offset, g.length, g.expiry_ms, 0, part_offset, part_length, key_len,
-                     g.mac) + g.key
+    return DESC.pack(g.segment_id, g.offset, g.length, g.expiry_ms, 0, part_offset, part_length, key_len, g.mac) + g.key
 
 
 def test_bad_magic_closes_the_connection(store: Store) -> None:
@@ -427,7 +432,7 @@ def test_read_payload_lengths_out_of_bounds(store: Store, length: int) -> None:
     g = store.grant(GrantOp.READ, 0, 100, key=b"abc")
     with Raw(store.port) as c:
         desc = write_desc(g, 100)
-        body = (desc + bytes(1024))[:min(length, 1024)]  # as many bytes as the header announces (or 1 KiB)
+        body = (desc + bytes(1024))[: min(length, 1024)]  # as many bytes as the header announces (or 1 KiB)
         c.send(c.header(Op.READ, length) + body)
         expect_closed_with(c, ErrorCode.BAD_FRAME)
     fresh_round_trip(store)
@@ -568,12 +573,17 @@ def _frame_like(data: bytes, op: int, length: int) -> bytes:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.one_of(
-    st.binary(min_size=1, max_size=600),
-    st.builds(_frame_like, st.binary(max_size=400),
-              st.sampled_from([Op.READ, Op.WRITE, Op.PING, Op.STORE_INFO]),
-              st.one_of(st.integers(0, 700), st.integers(0, (1 << 64) - 1))),
-))
+@given(
+    data=st.one_of(
+        st.binary(min_size=1, max_size=600),
+        st.builds(
+            _frame_like,
+            st.binary(max_size=400),
+            st.sampled_from([Op.READ, Op.WRITE, Op.PING, Op.STORE_INFO]),
+            st.one_of(st.integers(0, 700), st.integers(0, (1 << 64) - 1)),
+        ),
+    )
+)
 def test_random_bytes_on_the_data_port(fuzz_store: Store, data: bytes) -> None:
     s = fuzz_store
     s.granted.clear()

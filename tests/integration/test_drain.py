@@ -56,12 +56,14 @@ def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster
         assert doc["objects_moved"] >= before["objects"]
         assert doc["bytes_moved"] >= doc["objects_moved"] * VALUE
         assert "objects" in result.stderr  # the progress lines
-        print(f"\ndrain of node-a under load: {doc['objects_moved']} objects, "
-              f"{doc['bytes_moved'] / 2**20:.1f} MiB in {doc['seconds']:.2f} s "
-              f"({doc['objects_moved'] / max(doc['seconds'], 1e-6):.0f} objects/s, "
-              f"{doc['bytes_moved'] / 2**20 / max(doc['seconds'], 1e-6):.1f} MiB/s; admin wall {wall:.2f} s);"
-              " "
-              f"load: {load.reads} reads, {load.writes} writes during the run")
+        print(
+            f"\ndrain of node-a under load: {doc['objects_moved']} objects, "
+            f"{doc['bytes_moved'] / 2**20:.1f} MiB in {doc['seconds']:.2f} s "
+            f"({doc['objects_moved'] / max(doc['seconds'], 1e-6):.0f} objects/s, "
+            f"{doc['bytes_moved'] / 2**20 / max(doc['seconds'], 1e-6):.1f} MiB/s; admin wall {wall:.2f} s);"
+            " "
+            f"load: {load.reads} reads, {load.writes} writes during the run"
+        )
         assert load.wrong == 0
         assert load.read_failures == 0, f"reads failed during the drain: {load.failed_keys[:10]}"
         assert load.write_failures == 0
@@ -107,8 +109,14 @@ def test_undrain_reopens_the_node(make_cluster: Callable[..., LocalCluster]) -> 
         assert bad == []
         assert good == checked == 600
         objects = nodes(cluster)["node-a"]["objects"]
-        wait_for(lambda: load.write([f"after-{time.monotonic_ns()}" for _ in range(8)]) and
-                 nodes(cluster)["node-a"]["objects"] > objects, 20, "a put on the undrained node")
+        wait_for(
+            lambda: (
+                load.write([f"after-{time.monotonic_ns()}" for _ in range(8)])
+                and nodes(cluster)["node-a"]["objects"] > objects
+            ),
+            20,
+            "a put on the undrained node",
+        )
     finally:
         load.close()
 
@@ -139,7 +147,8 @@ def test_scale_in_drains_then_unmounts(make_cluster: Callable[..., LocalCluster]
 
 
 def test_scale_out_fills_the_new_store_first_then_rebalance(
-        make_cluster: Callable[..., LocalCluster]) -> None:
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
     cluster = _cluster(make_cluster, ["node-a"])
     load = Load(cluster.master, VALUE)
     try:
@@ -168,8 +177,10 @@ def test_scale_out_fills_the_new_store_first_then_rebalance(
         checked, good, bad = load.verify()
         assert bad == []
         assert good == checked == 1264
-        print(f"\nrebalance: {doc['objects_moved']} objects in {doc['seconds']:.2f} s, spread "
-              f"{doc['spread_before']:.3f} -> {doc['spread']:.3f}")
+        print(
+            f"\nrebalance: {doc['objects_moved']} objects in {doc['seconds']:.2f} s, spread "
+            f"{doc['spread_before']:.3f} -> {doc['spread']:.3f}"
+        )
     finally:
         load.close()
 
@@ -217,11 +228,17 @@ def test_admin_commands_json_and_exit_codes(make_cluster: Callable[..., LocalClu
 
 def test_drain_moves_ssd_tier_objects_too(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
     # A 1 MiB DRAM segment and a 16 MiB SSD tier on node-a: most objects end up SSD-only (demoted).
-    master = (*MASTER, "--eviction-high-watermark", "0.7", "--eviction-target", "0.5",
-              "--demote-max-pending", "0.5")
+    master = (
+        *MASTER,
+        "--eviction-high-watermark",
+        "0.7",
+        "--eviction-target",
+        "0.5",
+        "--demote-max-pending",
+        "0.5",
+    )
     cluster = make_cluster(stores=0, master_args=master)
-    cluster.add_store(size="1MiB", node="node-a",
-                      extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    cluster.add_store(size="1MiB", node="node-a", extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
     load = Load(cluster.master, 4096)
     try:
         for start in range(0, 600, 32):
@@ -243,8 +260,10 @@ def test_drain_moves_ssd_tier_objects_too(make_cluster: Callable[..., LocalClust
         checked, good, bad = load.verify()
         assert bad == []
         assert good == checked == total
-        print(f"\ndrain with an SSD tier: {ssd_only} of {total} objects were SSD-only; "
-              f"{doc['objects_moved']} moved in {doc['seconds']:.2f} s")
+        print(
+            f"\ndrain with an SSD tier: {ssd_only} of {total} objects were SSD-only; "
+            f"{doc['objects_moved']} moved in {doc['seconds']:.2f} s"
+        )
     finally:
         load.close()
 
@@ -261,7 +280,7 @@ def _tiers(load: Load, keys: list[str]) -> list[list[int]]:
 
     out: list[list[int]] = []
     for start in range(0, len(keys), 256):
-        request = pb.BatchGetReplicasRequest(keys=keys[start:start + 256], no_lease=True)
+        request = pb.BatchGetReplicasRequest(keys=keys[start : start + 256], no_lease=True)
         resp = load.client._master.call(frames.Op.BATCH_GET_REPLICAS, request, Deadline(10.0))
         out += [sorted(d.tier for d in r.replicas) for r in resp.results]
     return out

@@ -23,14 +23,13 @@ from tests.support.cluster import FAST_MASTER, client, wait_for
 pytestmark = pytest.mark.integration
 
 PAGE_TOKENS = 16
-OBJ = 64 * 1024          # bytes of one page object (MHA: a page is a k and a v object)
+OBJ = 64 * 1024  # bytes of one page object (MHA: a page is a k and a v object)
 SENTINEL = 0xEE
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(stores=2, store_size="96MiB", base_dir=tmp_path_factory.mktemp("engine"),
-                     master_args=FAST_MASTER)
+    c = LocalCluster(stores=2, store_size="96MiB", base_dir=tmp_path_factory.mktemp("engine"), master_args=FAST_MASTER)
     try:
         yield c.start()
     finally:
@@ -46,8 +45,7 @@ def pool(cluster: LocalCluster) -> Iterator[PoolClient]:
 def engine_for(pool: PoolClient, model: str, **kwargs: object) -> EngineClient:
     # A generous lookup deadline: CI machines are loaded, and a dead master is refused at once anyway.
     kwargs.setdefault("lookup_timeout_s", 2.0)
-    return EngineClient(pool, Namespace(model=model), page_size=PAGE_TOKENS, page_bytes=OBJ,
-                        **kwargs)  # type: ignore[arg-type]
+    return EngineClient(pool, Namespace(model=model), page_size=PAGE_TOKENS, page_bytes=OBJ, **kwargs)  # type: ignore[arg-type]
 
 
 def prompt(n_pages: int, seed: int) -> list[int]:
@@ -78,8 +76,7 @@ def quiesce(engine: EngineClient) -> None:
     wait_for(lambda: engine.metrics()["prefetch_in_flight"] == 0, 10, "the prefetch I/O to stop")
 
 
-def assert_prefix_result(handle: PrefetchHandle, bufs: list[bytearray], values: list[bytes],
-                         per_page: int) -> int:
+def assert_prefix_result(handle: PrefetchHandle, bufs: list[bytearray], values: list[bytes], per_page: int) -> int:
     """Pages [0, n) hold the pool's bytes, every later buffer is untouched: a partial result is a prefix."""
     n = handle.completed_pages()
     for i, buf in enumerate(bufs):
@@ -140,8 +137,13 @@ def test_prefetch_into_raw_pointers_and_mla_namespace(pool: PoolClient) -> None:
         assert pool.batch_exists([f"mla_{k}__k" for k in keys]) == [1] * 6  # SGLang/Mooncake MLA naming
         host = (ctypes.c_char * (6 * OBJ))()  # like SGLang's host pool: one region, pointers into it
         base = ctypes.addressof(host)
-        handle = engine.prefetch(keys, ([base + i * OBJ for i in range(6)], [OBJ] * 6), deadline_s=5,
-                                 policy="wait_complete", hit_pages=6)
+        handle = engine.prefetch(
+            keys,
+            ([base + i * OBJ for i in range(6)], [OBJ] * 6),
+            deadline_s=5,
+            policy="wait_complete",
+            hit_pages=6,
+        )
         assert handle.wait(timeout=10) == 6
         assert bytes(host) == b"".join(values)
     finally:
@@ -251,8 +253,8 @@ def test_no_byte_is_written_after_cancel(pool: PoolClient) -> None:
             assert handle.completed_pages() == n
             ctypes.memset(base + n * per_page * OBJ, 0x11, len(host) - n * per_page * OBJ)  # reuse
             quiesce(engine)
-            assert bytes(host)[:n * per_page * OBJ] == b"".join(values[:n * per_page])
-            assert bytes(host)[n * per_page * OBJ:] == b"\x11" * (len(host) - n * per_page * OBJ)
+            assert bytes(host)[: n * per_page * OBJ] == b"".join(values[: n * per_page])
+            assert bytes(host)[n * per_page * OBJ :] == b"\x11" * (len(host) - n * per_page * OBJ)
         assert engine.metrics()["prefetch_cancelled"] >= 1
     finally:
         engine.close()
@@ -321,8 +323,12 @@ def free_port() -> int:
 
 def test_degraded_mode_with_a_killed_master_and_recovery(tmp_path: Path) -> None:
     # A fixed gRPC port: the restarted master is found at the same address by the client and the stores.
-    cluster = LocalCluster(stores=1, store_size="64MiB", base_dir=tmp_path,
-                           master_args=(*FAST_MASTER, "--port", str(free_port())))
+    cluster = LocalCluster(
+        stores=1,
+        store_size="64MiB",
+        base_dir=tmp_path,
+        master_args=(*FAST_MASTER, "--port", str(free_port())),
+    )
     try:
         cluster.start()
         with client(cluster.master) as pool, engine_for(pool, "degraded") as engine:
@@ -345,8 +351,7 @@ def test_degraded_mode_with_a_killed_master_and_recovery(tmp_path: Path) -> None
             assert m["pool_degraded_calls"] >= 1
 
             cluster.restart(master)  # rebuilds its index from the stores' re-mount inventories
-            wait_for(lambda: engine.prefix_length(keys) == 8, 30, "hits after the master restart",
-                     interval=0.1)
+            wait_for(lambda: engine.prefix_length(keys) == 8, 30, "hits after the master restart", interval=0.1)
             bufs = sentinel_buffers(16)
             assert engine.prefetch(keys, bufs, deadline_s=5, policy="wait_complete").wait(10) == 8
             assert [bytes(b) for b in bufs] == values
@@ -355,12 +360,15 @@ def test_degraded_mode_with_a_killed_master_and_recovery(tmp_path: Path) -> None
 
 
 def test_a_dead_store_fails_reads_fast_and_the_negative_cache_stops_repeats(tmp_path: Path) -> None:
-    cluster = LocalCluster(stores=1, store_size="64MiB", base_dir=tmp_path,
-                           master_args=("--store-ttl-s", "30"))  # the master keeps the dead store's entries
+    cluster = LocalCluster(
+        stores=1, store_size="64MiB", base_dir=tmp_path, master_args=("--store-ttl-s", "30")
+    )  # the master keeps the dead store's entries
     try:
         cluster.start()
-        with client(cluster.master, timeout_s=2.0) as pool, \
-                engine_for(pool, "deadstore", negative_ttl_s=30) as engine:
+        with (
+            client(cluster.master, timeout_s=2.0) as pool,
+            engine_for(pool, "deadstore", negative_ttl_s=30) as engine,
+        ):
             keys = engine.page_keys(prompt(4, seed=8))
             seed_pages(engine, keys)
             cluster.kill(cluster.stores[0])

@@ -178,9 +178,7 @@ def test_exactly_one_leader_and_views_increase(client: EtcdClient, running: list
         client.lease_revoke(old.lease_id)
         revoked = time.monotonic()
         wait_until(
-            lambda old=old, d=d: (
-                timeline.count("deposed", old.name) > d and old.state is not ElectorState.LEADER
-            ),
+            lambda old=old, d=d: timeline.count("deposed", old.name) > d and old.state is not ElectorState.LEADER,
             2.0,
             "the old leader's on_deposed",
         )
@@ -368,9 +366,7 @@ def test_frozen_leader_is_deposed_when_it_resumes(
         os.kill(stale.proc.pid, signal.SIGCONT)
         resumed = time.monotonic()
         t, _ = stale.expect("DEPOSED", 3.0)
-        print(
-            f"stale leader deposed itself {t - resumed:.3f}s after resuming; views {old_view} -> {new_view}"
-        )
+        print(f"stale leader deposed itself {t - resumed:.3f}s after resuming; views {old_view} -> {new_view}")
         assert other.is_leader
         assert other.view == new_view
         published = other.current_leader()

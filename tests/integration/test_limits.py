@@ -26,8 +26,14 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def _client(cluster: LocalCluster, **overrides: object) -> PoolClient:
-    return PoolClient(config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=5.0,  # type: ignore[arg-type]
-                                          **overrides))
+    return PoolClient(
+        config=ClientConfig(
+            master=cluster.master,
+            use_shm=False,
+            timeout_s=5.0,  # type: ignore[arg-type]
+            **overrides,
+        )
+    )
 
 
 def _endpoint(address: str) -> tuple[str, int]:
@@ -45,14 +51,17 @@ def rss_anon(pid: int) -> int:
 
 # ---------------------------------------------------------------------- master limits
 def test_key_object_and_batch_limits_give_per_key_codes(make_cluster: Callable[..., LocalCluster]) -> None:
-    cluster = make_cluster(stores=1, store_size="32MiB",
-                           master_args=("--max-key-bytes", "64", "--max-object-bytes", "64KiB",
-                                        "--max-batch", "16"))
+    cluster = make_cluster(
+        stores=1,
+        store_size="32MiB",
+        master_args=("--max-key-bytes", "64", "--max-object-bytes", "64KiB", "--max-batch", "16"),
+    )
     with _client(cluster) as c:
         long_key, ok_key = "k" * 65, "k" * 64
-        assert c.batch_put_from([ok_key, long_key, "", "big", "fits"],
-                                [b"a", b"b", b"c", b"x" * (64 * KiB + 1), b"y" * (64 * KiB)]) == [
-            0, ErrorCode.KEY_TOO_LONG, ErrorCode.INVALID_KEY, ErrorCode.VALUE_TOO_LARGE, 0]
+        assert c.batch_put_from(
+            [ok_key, long_key, "", "big", "fits"],
+            [b"a", b"b", b"c", b"x" * (64 * KiB + 1), b"y" * (64 * KiB)],
+        ) == [0, ErrorCode.KEY_TOO_LONG, ErrorCode.INVALID_KEY, ErrorCode.VALUE_TOO_LARGE, 0]
         assert c.get_into(long_key, bytearray(8)) == ErrorCode.KEY_TOO_LONG
         assert c.get_into(ok_key, bytearray(8)) == 1
         keys = [f"b{i}" for i in range(17)]
@@ -97,8 +106,7 @@ def test_connections_per_client(make_cluster: Callable[..., LocalCluster]) -> No
 
 
 def test_bytes_in_flight_per_client(make_cluster: Callable[..., LocalCluster]) -> None:
-    cluster = make_cluster(stores=1, store_size="32MiB",
-                           store_args=("--max-inflight-bytes-per-client", "1MiB"))
+    cluster = make_cluster(stores=1, store_size="32MiB", store_args=("--max-inflight-bytes-per-client", "1MiB"))
     # One part per object (stripe 8 MiB): a part over the client's budget can never be served.
     with _client(cluster, stripe_bytes=8 * MiB, connections_per_store=1) as c:
         assert c.put("small", b"s" * (512 * KiB)) == 0
@@ -138,8 +146,9 @@ def _send_nowait(sock: socket.socket, data: bytes) -> None:
         pass
 
 
-def test_store_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., LocalCluster],
-                                                  sockets: list[socket.socket]) -> None:
+def test_store_memory_stays_bounded_under_a_flood(
+    make_cluster: Callable[..., LocalCluster], sockets: list[socket.socket]
+) -> None:
     cluster = make_cluster(stores=1, store_size="32MiB", store_args=("--max-connections-per-client", "0"))
     store = cluster.stores[0]
     before = rss_anon(store.pid)
@@ -149,19 +158,21 @@ def test_store_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., Lo
     bad_read = frames.pack_header(frames.Op.READ, 1, len(forged_read)) + forged_read
     # A WRITE announcing a 16 MiB part, 256 KiB of it sent: the store drains it through its scratch buffer
     # and waits for the rest, holding nothing but its buffers.
-    forged_write = frames.TransferDesc(Grant(GrantOp.WRITE, 1, 0, 16 * MiB, 2**62, b"k", b"\0" * 16), 0, 0,
-                                       16 * MiB).pack()
+    forged_write = frames.TransferDesc(
+        Grant(GrantOp.WRITE, 1, 0, 16 * MiB, 2**62, b"k", b"\0" * 16), 0, 0, 16 * MiB
+    ).pack()
     big_write = frames.pack_header(frames.Op.WRITE, 2, len(forged_write) + 16 * MiB) + forged_write
     for i in range(FLOOD_CONNECTIONS):
         sock = socket.create_connection(_endpoint(store.address), timeout=5)
         sockets.append(sock)
         _send_nowait(sock, (bad_read * 2000) if i % 2 else big_write + b"\0" * (256 * KiB))
-    wait_for(lambda: _connections(store.endpoints["metrics"]) >= FLOOD_CONNECTIONS, 30.0,
-             "every flood connection")
+    wait_for(lambda: _connections(store.endpoints["metrics"]) >= FLOOD_CONNECTIONS, 30.0, "every flood connection")
     peak = rss_anon(store.pid)
-    print(f"\nRELIABILITY {{\"fault\": \"store flood\", \"connections\": {FLOOD_CONNECTIONS}, "
-          f"\"rss_anon_growth_mib\": {(peak - before) / MiB:.1f}, "
-          f"\"bound_mib\": {STORE_FLOOD_BOUND / MiB:.0f}}}")
+    print(
+        f'\nRELIABILITY {{"fault": "store flood", "connections": {FLOOD_CONNECTIONS}, '
+        f'"rss_anon_growth_mib": {(peak - before) / MiB:.1f}, '
+        f'"bound_mib": {STORE_FLOOD_BOUND / MiB:.0f}}}'
+    )
     assert peak - before < STORE_FLOOD_BOUND
     for s in sockets:
         s.close()
@@ -173,22 +184,26 @@ def _connections(metrics: str) -> float:
     import urllib.request
 
     body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
-    return next(float(line.split()[1]) for line in body.splitlines()
-                if line.startswith("kvpool_store_connections "))
+    return next(float(line.split()[1]) for line in body.splitlines() if line.startswith("kvpool_store_connections "))
 
 
 MASTER_FLOOD_BATCH = 1024
 
 
 @pytest.mark.parametrize("with_token", [False, True], ids=["open", "token-no-hello"])
-def test_master_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., LocalCluster], tmp_path: Path,
-                                                   sockets: list[socket.socket], with_token: bool) -> None:
+def test_master_memory_stays_bounded_under_a_flood(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path, sockets: list[socket.socket], with_token: bool
+) -> None:
     """Open cluster: the bound is connections x the largest legal request. With a token, a flood that never
     says HELLO is refused at each frame's header: its payloads are never buffered."""
     token = tmp_path / "token"
     token.write_bytes(b"flood-token")
-    cluster = make_cluster(stores=1, store_size="32MiB", master_args=("--max-batch", str(MASTER_FLOOD_BATCH)),
-                           token_file=str(token) if with_token else "")
+    cluster = make_cluster(
+        stores=1,
+        store_size="32MiB",
+        master_args=("--max-batch", str(MASTER_FLOOD_BATCH)),
+        token_file=str(token) if with_token else "",
+    )
     master = cluster.masters[0]
     with _client(cluster, token_file=str(token)) as c:
         c.stats()
@@ -217,9 +232,11 @@ def test_master_memory_stays_bounded_under_a_flood(make_cluster: Callable[..., L
     while time.monotonic() < deadline:  # the master reads what it will; sample its memory meanwhile
         peak = max(peak, rss_anon(master.pid))
         time.sleep(0.1)
-    print(f"\nRELIABILITY {{\"fault\": \"master framed flood{' without the token' if with_token else ''}\", "
-          f"\"connections\": {FLOOD_CONNECTIONS}, "
-          f"\"rss_anon_growth_mib\": {(peak - before) / MiB:.1f}, \"bound_mib\": {bound / MiB:.0f}}}")
+    print(
+        f'\nRELIABILITY {{"fault": "master framed flood{" without the token" if with_token else ""}", '
+        f'"connections": {FLOOD_CONNECTIONS}, '
+        f'"rss_anon_growth_mib": {(peak - before) / MiB:.1f}, "bound_mib": {bound / MiB:.0f}}}'
+    )
     assert peak - before < bound
     for s in sockets:
         s.close()

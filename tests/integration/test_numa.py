@@ -87,8 +87,13 @@ _CHILD = textwrap.dedent("""
 
 
 def _run_child() -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(__file__),
+    )
     assert proc.returncode == 0, proc.stderr
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result

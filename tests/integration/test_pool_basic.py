@@ -58,13 +58,16 @@ def test_batches_with_mixed_hits_and_misses(cluster: LocalCluster) -> None:
             else:
                 assert code == ErrorCode.OBJECT_NOT_FOUND
         small = [bytearray(10) for _ in keys[:2]]
-        assert pool.batch_get_into(keys[:2], small) == [ErrorCode.BUFFER_TOO_SMALL, ErrorCode.OBJECT_NOT_FOUND]
+        assert pool.batch_get_into(keys[:2], small) == [
+            ErrorCode.BUFFER_TOO_SMALL,
+            ErrorCode.OBJECT_NOT_FOUND,
+        ]
 
 
 def test_remove_and_leases(cluster: LocalCluster) -> None:
     with client(cluster.master) as pool:
         assert pool.put("rm", b"x" * 100) == 0
-        assert pool.get("rm") == b"x" * 100          # grants a read lease
+        assert pool.get("rm") == b"x" * 100  # grants a read lease
         assert pool.remove("rm") == ErrorCode.OBJECT_HAS_LEASE
         assert pool.remove("rm", force=True) == 0
         assert pool.get("rm") is None
@@ -145,8 +148,12 @@ def test_master_rpc_port_survives_garbage(cluster: LocalCluster) -> None:
     with client(cluster.master) as pool:
         assert pool.put("before", b"1") == 0
         host, port = pool._master.info.rpc_endpoint.rsplit(":", 1)  # type: ignore[union-attr]
-    for payload in (os.urandom(64), frames.pack_header(999, 1, 0), frames.pack_header(frames.Op.BATCH_EXISTS, 1, 5)
-                    + b"\xff" * 5, b"KVP1" + b"\x00" * 10):
+    for payload in (
+        os.urandom(64),
+        frames.pack_header(999, 1, 0),
+        frames.pack_header(frames.Op.BATCH_EXISTS, 1, 5) + b"\xff" * 5,
+        b"KVP1" + b"\x00" * 10,
+    ):
         with socket.create_connection((host, int(port)), timeout=5) as sock:
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)

@@ -78,8 +78,9 @@ def pyverbs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(pyverbs_dir: Path) -> tuple[dict[str, object], str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVPOOL_LOG_JSON")}
     env["KVPOOL_LOG_LEVEL"] = "INFO"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(pyverbs_dir)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(pyverbs_dir)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result, proc.stderr
@@ -135,8 +136,9 @@ _ATTRS_CHILD = textwrap.dedent("""
 def test_attribute_builders_are_accepted_by_the_real_pyverbs(pyverbs_dir: Path) -> None:
     """No device is needed to build the structs, so the keyword and attribute names that verbs.py passes to
     pyverbs are checked against the real library on every run, not only on an RDMA cluster."""
-    proc = subprocess.run([sys.executable, "-c", _ATTRS_CHILD, str(pyverbs_dir)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ATTRS_CHILD, str(pyverbs_dir)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["init"] == [2, 64, 1]  # IBV_QPT_RC, SQ depth, every WR signaled

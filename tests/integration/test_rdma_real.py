@@ -25,9 +25,13 @@ from kvpool.proto import frames
 from kvpool.proto.frames import Op
 from kvpool.transfer.base import Replica, TransferRequest
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(
-    not KVPOOL_TEST_RDMA_DEVICE.is_set(),
-    reason="opt-in: set KVPOOL_TEST_RDMA_DEVICE=<device>[:port[:gid_index]] (e.g. mlx5_0) to run real RDMA")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not KVPOOL_TEST_RDMA_DEVICE.is_set(),
+        reason="opt-in: set KVPOOL_TEST_RDMA_DEVICE=<device>[:port[:gid_index]] (e.g. mlx5_0) to run real RDMA",
+    ),
+]
 
 MiB = 1 << 20
 SEG_ID = 0x7E57
@@ -82,15 +86,24 @@ def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
     try:
         import pyverbs  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"KVPOOL_TEST_RDMA_DEVICE is set but pyverbs is not importable ({exc}); expose Debian's "
-                    "python3-pyverbs to the venv as docs/rdma.md shows")
+        pytest.fail(
+            f"KVPOOL_TEST_RDMA_DEVICE is set but pyverbs is not importable ({exc}); expose Debian's "
+            "python3-pyverbs to the venv as docs/rdma.md shows"
+        )
     devices = discover_devices()
     if device not in devices:
         pytest.fail(f"KVPOOL_TEST_RDMA_DEVICE={device} but the devices here are {devices or 'none'}")
     segment = _Segment(32 * MiB)
     secret = new_secret()
-    responder = RdmaResponder(PyverbsVerbs(), {SEG_ID: segment}, {SEG_ID: secret}, device=device, port=port,
-                              gid_index=gid_index, max_mr_bytes=8 * MiB)
+    responder = RdmaResponder(
+        PyverbsVerbs(),
+        {SEG_ID: segment},
+        {SEG_ID: secret},
+        device=device,
+        port=port,
+        gid_index=gid_index,
+        max_mr_bytes=8 * MiB,
+    )
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
     threading.Thread(target=_serve, args=(listener, responder), daemon=True).start()
@@ -105,8 +118,7 @@ def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
         responder.close()
 
 
-def _request(op: GrantOp, key: bytes, offset: int, buf: bytearray, secret: bytes,
-             endpoint: str) -> TransferRequest:
+def _request(op: GrantOp, key: bytes, offset: int, buf: bytearray, secret: bytes, endpoint: str) -> TransferRequest:
     mac = sign(secret, op, SEG_ID, offset, len(buf), FAR_FUTURE_MS, key)
     replica = Replica(SEG_ID, "loopback", endpoint, "", offset, len(buf), FAR_FUTURE_MS, mac)
     return TransferRequest(op, key, replica, memoryview(buf))
@@ -127,7 +139,7 @@ def test_real_loopback_write_then_read(loopback: tuple[object, _Segment, bytes, 
     write = _request(GrantOp.WRITE, b"k", offset, data, secret, endpoint)
     assert transport.transfer([write], Deadline(10.0)) == [ErrorCode.OK]
     assert transport.stats.work_requests - before >= 3
-    assert segment.view[offset:offset + len(data)] == data  # landed in the store's memory, byte for byte
+    assert segment.view[offset : offset + len(data)] == data  # landed in the store's memory, byte for byte
     read = _request(GrantOp.READ, b"k", offset, back, secret, endpoint)
     assert transport.transfer([read], Deadline(10.0)) == [ErrorCode.OK]
     assert back == data

@@ -49,8 +49,7 @@ def secured(make_cluster: Callable[..., LocalCluster], token_file: Path) -> Loca
 
 
 def _client(cluster: LocalCluster, **overrides: object) -> PoolClient:
-    config = ClientConfig(master=cluster.master, use_shm=False, timeout_s=3.0, breaker_backoff_s=0.05,
-                          **overrides)  # type: ignore[arg-type]
+    config = ClientConfig(master=cluster.master, use_shm=False, timeout_s=3.0, breaker_backoff_s=0.05, **overrides)  # type: ignore[arg-type]
     return PoolClient(config=config)
 
 
@@ -93,8 +92,9 @@ def test_the_right_token_works_on_every_plane(secured: LocalCluster, token_file:
 
 # ---------------------------------------------------------------------- no token, wrong token
 @pytest.mark.parametrize("presented", [b"", b"wrong-token"], ids=["no-token", "wrong-token"])
-def test_the_control_plane_refuses_with_auth_failed(secured: LocalCluster, tmp_path: Path, presented: bytes,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_control_plane_refuses_with_auth_failed(
+    secured: LocalCluster, tmp_path: Path, presented: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
     monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
     overrides: dict[str, object] = {}
@@ -105,7 +105,8 @@ def test_the_control_plane_refuses_with_auth_failed(secured: LocalCluster, tmp_p
     before = _metric(metrics, "kvpool_master_auth_refused_total", 'plane="grpc"')
     with pytest.raises(KvPoolError) as info:
         MasterClient(secured.master, token_file=str(overrides.get("token_file", ""))).grpc_call(
-            "GetStats", pb.StatsRequest())
+            "GetStats", pb.StatsRequest()
+        )
     assert info.value.code == ErrorCode.AUTH_FAILED
     with _client(secured, **overrides) as c:  # every call of the client API says AUTH_FAILED per key
         assert c.batch_exists(["a", "b"]) == [ErrorCode.AUTH_FAILED] * 2
@@ -115,8 +116,11 @@ def test_the_control_plane_refuses_with_auth_failed(secured: LocalCluster, tmp_p
 
 
 def test_the_framed_hot_path_requires_hello(secured: LocalCluster, token_file: Path) -> None:
-    rpc = _endpoint(MasterClient(secured.master, token_file=str(token_file)).grpc_call(
-        "GetClusterInfo", pb.ClusterInfoRequest()).rpc_endpoint)
+    rpc = _endpoint(
+        MasterClient(secured.master, token_file=str(token_file))
+        .grpc_call("GetClusterInfo", pb.ClusterInfoRequest())
+        .rpc_endpoint
+    )
     metrics = secured.masters[0].endpoints["metrics"]
     before = _metric(metrics, "kvpool_master_auth_refused_total", 'plane="rpc"')
     request = pb.BatchExistsRequest(keys=["k"]).SerializeToString()
@@ -148,8 +152,10 @@ def test_the_data_plane_requires_hello(secured: LocalCluster, token_file: Path) 
         assert _roundtrip(sock, frames.Op.PING, b"", 2).status == 0
     # A client holding master grants but no token for the data plane: AUTH_FAILED per key, not a hang.
     tokenless = TransportSet([TcpTransport(connections_per_endpoint=1)])
-    with PoolClient(config=ClientConfig(master=secured.master, use_shm=False, timeout_s=3.0,
-                                        token_file=str(token_file)), transports=tokenless) as c:
+    with PoolClient(
+        config=ClientConfig(master=secured.master, use_shm=False, timeout_s=3.0, token_file=str(token_file)),
+        transports=tokenless,
+    ) as c:
         assert c.put("k", b"v" * 1000) == ErrorCode.AUTH_FAILED
     assert _metric(metrics, "kvpool_store_auth_refused_total", 'plane="data"') >= before + 3
 
@@ -159,19 +165,46 @@ def test_local_up_with_a_token_file(tmp_path: Path, token_file: Path) -> None:
     base = tmp_path / "local"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_TOKEN")}
     kvpool = [sys.executable, "-m", "kvpool.tools.cli", "local"]
-    up = subprocess.run([*kvpool, "up", "--stores", "1", "--size", "32MiB", "--dir", str(base), "--json",
-                         "--token-file", str(token_file)],
-                        env=env, capture_output=True, text=True, timeout=120)
+    up = subprocess.run(
+        [
+            *kvpool,
+            "up",
+            "--stores",
+            "1",
+            "--size",
+            "32MiB",
+            "--dir",
+            str(base),
+            "--json",
+            "--token-file",
+            str(token_file),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     try:
         assert up.returncode == 0, up.stderr
         master = json.loads(up.stdout)["master"]
-        script = ("import sys; from kvpool.client import PoolClient; c = PoolClient.from_env(use_shm=False, "
-                  "timeout_s=3.0); print(c.put('k', b'v'), c.batch_exists(['k'])[0]); c.close()")
+        script = (
+            "import sys; from kvpool.client import PoolClient; c = PoolClient.from_env(use_shm=False, "
+            "timeout_s=3.0); print(c.put('k', b'v'), c.batch_exists(['k'])[0]); c.close()"
+        )
         with_token = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-            env={**env, "KVPOOL_MASTER": master, "KVPOOL_TOKEN_FILE": str(token_file)})
-        without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                                 env={**env, "KVPOOL_MASTER": master})
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "KVPOOL_MASTER": master, "KVPOOL_TOKEN_FILE": str(token_file)},
+        )
+        without = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "KVPOOL_MASTER": master},
+        )
         assert with_token.stdout.split() == ["0", "1"], with_token.stderr
         assert without.stdout.split() == [str(int(ErrorCode.AUTH_FAILED))] * 2, without.stderr
     finally:
@@ -187,10 +220,29 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     except ImportError:
         if shutil.which("openssl") is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is installed")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                        "-out", str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
-                        "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     return cert, key
 
 
@@ -206,24 +258,37 @@ def _with_cryptography(cert: Path, key: Path) -> None:
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
-    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-                   .public_key(private.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                               x509.DNSName("localhost")]), critical=False)
-                   .sign(private, hashes.SHA256()))
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .sign(private, hashes.SHA256())
+    )
     cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
 
 
-def test_tls_on_the_control_plane(make_cluster: Callable[..., LocalCluster], tmp_path: Path,
-                                  token_file: Path) -> None:
+def test_tls_on_the_control_plane(make_cluster: Callable[..., LocalCluster], tmp_path: Path, token_file: Path) -> None:
     cert, key = _self_signed(tmp_path)
-    cluster = make_cluster(stores=1, store_size="32MiB", token_file=str(token_file),
-                           master_args=("--tls-cert", str(cert), "--tls-key", str(key)),
-                           store_args=("--tls-ca", str(cert)))  # the store mounts over TLS
+    cluster = make_cluster(
+        stores=1,
+        store_size="32MiB",
+        token_file=str(token_file),
+        master_args=("--tls-cert", str(cert), "--tls-key", str(key)),
+        store_args=("--tls-ca", str(cert)),
+    )  # the store mounts over TLS
     with _client(cluster, token_file=str(token_file), tls_ca=str(cert)) as c:
         assert c.put("k", b"v" * 100) == 0
         assert c.get("k") == b"v" * 100

@@ -22,8 +22,15 @@ pytestmark = pytest.mark.integration
 
 PAGE = 4096
 DRAM = 1 << 20  # 256 pages
-TIER_MASTER = (*FAST_MASTER, "--eviction-high-watermark", "0.7", "--eviction-target", "0.5",
-               "--demote-max-pending", "0.5")
+TIER_MASTER = (
+    *FAST_MASTER,
+    "--eviction-high-watermark",
+    "0.7",
+    "--eviction-target",
+    "0.5",
+    "--demote-max-pending",
+    "0.5",
+)
 
 
 def tier_stats(pool: PoolClient) -> dict[str, float]:
@@ -47,7 +54,7 @@ def fill(pool: PoolClient, values: dict[str, bytes], batch: int = 32) -> None:
     it drops the least recently used object instead)."""
     keys = list(values)
     for i in range(0, len(keys), batch):
-        part = keys[i:i + batch]
+        part = keys[i : i + batch]
         assert pool.batch_put(part, [values[k] for k in part]) == [0] * len(part)
         wait_for(lambda: below_watermark(pool), 10, "demotions to catch up", interval=0.01)
 
@@ -61,7 +68,8 @@ def tiered(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[L
 
 
 def test_objects_past_the_dram_size_are_demoted_read_from_ssd_and_promoted(
-        tiered: tuple[LocalCluster, Any]) -> None:
+    tiered: tuple[LocalCluster, Any],
+) -> None:
     cluster, _ = tiered
     values = {f"obj-{i}": os.urandom(PAGE) for i in range(600)}  # 2.3x the DRAM
     keys = list(values)

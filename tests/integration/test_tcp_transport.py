@@ -51,15 +51,30 @@ class Store:
     segment: ShmSegment | None = None
     inventory: Inventory | None = None
 
-    def replica(self, op: GrantOp, key: bytes, offset: int, length: int, expiry_ms: int | None = None,
-                mac: bytes | None = None) -> Replica:
+    def replica(
+        self,
+        op: GrantOp,
+        key: bytes,
+        offset: int,
+        length: int,
+        expiry_ms: int | None = None,
+        mac: bytes | None = None,
+    ) -> Replica:
         expiry = time.time_ns() // 1_000_000 + 60_000 if expiry_ms is None else expiry_ms
         g = make_grant(self.secret, op, self.segment_id, offset, length, expiry, key)
-        return Replica(self.segment_id, "node", self.endpoint, "", offset, length, expiry,
-                       g.mac if mac is None else mac)
+        return Replica(
+            self.segment_id, "node", self.endpoint, "", offset, length, expiry, g.mac if mac is None else mac
+        )
 
-    def request(self, op: GrantOp, key: bytes, offset: int, buf: memoryview, checksum: int = 0,
-                length: int | None = None) -> TransferRequest:
+    def request(
+        self,
+        op: GrantOp,
+        key: bytes,
+        offset: int,
+        buf: memoryview,
+        checksum: int = 0,
+        length: int | None = None,
+    ) -> TransferRequest:
         n = len(buf) if length is None else length
         return TransferRequest(op, key, self.replica(op, key, offset, n), buf, checksum)
 
@@ -100,8 +115,7 @@ def store(tmp_path: Path, threads_settle: None) -> Iterator[Store]:
 
 @pytest.fixture
 def transport(threads_settle: None) -> Iterator[TcpTransport]:
-    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=1 << 20, connect_timeout=2.0,
-                     reconnect_cooldown_s=0.0)
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=1 << 20, connect_timeout=2.0, reconnect_cooldown_s=0.0)
     try:
         yield t
     finally:
@@ -131,12 +145,13 @@ def put_then_get(t: TcpTransport, s: Store, sizes: list[int], deadline_s: float 
     offsets = lay_out(sizes)
     values = [random_bytes(n, i) for i, n in enumerate(sizes)]
     keys = [b"key-%d" % i for i in range(len(sizes))]
-    puts = [s.request(GrantOp.WRITE, k, off, memoryview(v), checksum=i)
-            for i, (k, off, v) in enumerate(zip(keys, offsets, values, strict=True))]
+    puts = [
+        s.request(GrantOp.WRITE, k, off, memoryview(v), checksum=i)
+        for i, (k, off, v) in enumerate(zip(keys, offsets, values, strict=True))
+    ]
     assert t.transfer(puts, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
     outs = [bytearray(n) for n in sizes]
-    gets = [s.request(GrantOp.READ, k, off, memoryview(o))
-            for k, off, o in zip(keys, offsets, outs, strict=True)]
+    gets = [s.request(GrantOp.READ, k, off, memoryview(o)) for k, off, o in zip(keys, offsets, outs, strict=True)]
     assert t.transfer(gets, Deadline(deadline_s)) == [ErrorCode.OK] * len(sizes)
     for i, (v, o) in enumerate(zip(values, outs, strict=True)):
         assert v == o, f"object {i} ({len(v)} bytes) differs"
@@ -187,8 +202,13 @@ def test_256_objects_on_one_connection_with_a_small_window(store: Store, threads
 def test_small_socket_buffers_do_not_deadlock(tmp_path: Path, threads_settle: None, buffer: int) -> None:
     """Tiny (or kernel-default) socket buffers on both sides: the pipeline must size itself to them."""
     s = start_store(tmp_path, socket_buffer=buffer)
-    t = TcpTransport(connections_per_endpoint=2, stripe_bytes=256 << 10, window=64, socket_buffer=buffer,
-                     inflight_bytes=64 << 20)
+    t = TcpTransport(
+        connections_per_endpoint=2,
+        stripe_bytes=256 << 10,
+        window=64,
+        socket_buffer=buffer,
+        inflight_bytes=64 << 20,
+    )
     try:
         put_then_get(t, s, [100_000] * 64 + [3 << 20], deadline_s=30)
     finally:
@@ -203,8 +223,11 @@ def test_reads_and_writes_mixed_in_one_batch(transport: TcpTransport, store: Sto
     out = bytearray(300_000)
     batch = []
     for i in range(10):  # alternate directions: the lane must drain between them
-        batch.append(store.request(GrantOp.READ, b"a", 0, memoryview(out)) if i % 2 else
-                     store.request(GrantOp.WRITE, b"b%d" % i, (1 << 20) * (i + 1), memoryview(second)))
+        batch.append(
+            store.request(GrantOp.READ, b"a", 0, memoryview(out))
+            if i % 2
+            else store.request(GrantOp.WRITE, b"b%d" % i, (1 << 20) * (i + 1), memoryview(second))
+        )
     assert transport.transfer(batch, Deadline(10)) == [ErrorCode.OK] * 10
     assert out == first
 
@@ -227,11 +250,13 @@ def test_concurrent_batches_from_many_threads(transport: TcpTransport, store: St
             value = random_bytes(200_000 + i, i)
             off = i * (1 << 20)
             for _ in range(5):
-                assert transport.transfer([store.request(GrantOp.WRITE, b"t%d" % i, off, memoryview(value))],
-                                          Deadline(10)) == [0]
+                assert transport.transfer(
+                    [store.request(GrantOp.WRITE, b"t%d" % i, off, memoryview(value))], Deadline(10)
+                ) == [0]
                 out = bytearray(len(value))
-                assert transport.transfer([store.request(GrantOp.READ, b"t%d" % i, off, memoryview(out))],
-                                          Deadline(10)) == [0]
+                assert transport.transfer(
+                    [store.request(GrantOp.READ, b"t%d" % i, off, memoryview(out))], Deadline(10)
+                ) == [0]
                 assert out == value
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
@@ -261,38 +286,57 @@ def test_each_request_gets_its_own_code(transport: TcpTransport, store: Store) -
     past = time.time_ns() // 1_000_000 - 1
     reqs = [
         store.request(GrantOp.WRITE, b"ok", 0, memoryview(ok)),
-        TransferRequest(GrantOp.WRITE, b"forged", store.replica(GrantOp.WRITE, b"forged", 8192, 5000,
-                                                                 mac=bytes(16)), memoryview(ok)),
-        TransferRequest(GrantOp.WRITE, b"old",
-                        store.replica(GrantOp.WRITE, b"old", 16384, 5000, expiry_ms=past), memoryview(ok)),
+        TransferRequest(
+            GrantOp.WRITE,
+            b"forged",
+            store.replica(GrantOp.WRITE, b"forged", 8192, 5000, mac=bytes(16)),
+            memoryview(ok),
+        ),
+        TransferRequest(
+            GrantOp.WRITE,
+            b"old",
+            store.replica(GrantOp.WRITE, b"old", 16384, 5000, expiry_ms=past),
+            memoryview(ok),
+        ),
         store.request(GrantOp.WRITE, b"oob", SEG_SIZE - 100, memoryview(ok)),
         store.request(GrantOp.WRITE, b"short", 32768, memoryview(ok), length=4000),
         store.request(GrantOp.WRITE, b"ok2", 65536, memoryview(ok)),
     ]
     assert transport.transfer(reqs, Deadline(5)) == [
-        ErrorCode.OK, ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.OUT_OF_BOUNDS,
-        ErrorCode.INVALID_ARGUMENT, ErrorCode.OK]
+        ErrorCode.OK,
+        ErrorCode.AUTH_FAILED,
+        ErrorCode.GRANT_EXPIRED,
+        ErrorCode.OUT_OF_BOUNDS,
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.OK,
+    ]
     small = bytearray(10)
     readonly = memoryview(bytes(5000))
-    reads = [store.request(GrantOp.READ, b"ok", 0, memoryview(small), length=5000),
-             store.request(GrantOp.READ, b"ok", 0, readonly),
-             TransferRequest(GrantOp.READ, b"x" * 600, store.replica(GrantOp.READ, b"x", 0, 10),
-                             memoryview(bytearray(10)))]
-    assert transport.transfer(reads, Deadline(5)) == [ErrorCode.BUFFER_TOO_SMALL, ErrorCode.INVALID_ARGUMENT,
-                                                      ErrorCode.KEY_TOO_LONG]
+    reads = [
+        store.request(GrantOp.READ, b"ok", 0, memoryview(small), length=5000),
+        store.request(GrantOp.READ, b"ok", 0, readonly),
+        TransferRequest(GrantOp.READ, b"x" * 600, store.replica(GrantOp.READ, b"x", 0, 10), memoryview(bytearray(10))),
+    ]
+    assert transport.transfer(reads, Deadline(5)) == [
+        ErrorCode.BUFFER_TOO_SMALL,
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.KEY_TOO_LONG,
+    ]
 
 
 def test_unknown_segment(transport: TcpTransport, store: Store) -> None:
     other = Store(store.endpoint, store.segment_id + 1, store.secret)
     buf = bytearray(100)
-    assert transport.transfer([other.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(5)) == \
-        [ErrorCode.SEGMENT_NOT_FOUND]
+    assert transport.transfer([other.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(5)) == [
+        ErrorCode.SEGMENT_NOT_FOUND
+    ]
 
 
 def test_bad_endpoints(transport: TcpTransport) -> None:
     s = Store("no-port-here", 1, new_secret())
-    assert transport.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(bytearray(5)))], Deadline(1)) == \
-        [ErrorCode.INVALID_ARGUMENT]
+    assert transport.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(bytearray(5)))], Deadline(1)) == [
+        ErrorCode.INVALID_ARGUMENT
+    ]
     assert parse_endpoint("[::1]:80") == ("::1", 80)
     with pytest.raises(KvPoolError):
         parse_endpoint("host:99999")
@@ -304,11 +348,16 @@ def test_a_dead_endpoint_fails_fast_with_connection_failed(transport: TcpTranspo
     value = random_bytes(100_000)
     out = bytearray(len(value))
     t0 = time.monotonic()
-    reqs = [dead.request(GrantOp.WRITE, b"x", 0, memoryview(value)),
-            store.request(GrantOp.WRITE, b"y", 0, memoryview(value)),
-            dead.request(GrantOp.READ, b"x", 0, memoryview(out))]
-    assert transport.transfer(reqs, Deadline(5)) == [ErrorCode.CONNECTION_FAILED, ErrorCode.OK,
-                                                     ErrorCode.CONNECTION_FAILED]
+    reqs = [
+        dead.request(GrantOp.WRITE, b"x", 0, memoryview(value)),
+        store.request(GrantOp.WRITE, b"y", 0, memoryview(value)),
+        dead.request(GrantOp.READ, b"x", 0, memoryview(out)),
+    ]
+    assert transport.transfer(reqs, Deadline(5)) == [
+        ErrorCode.CONNECTION_FAILED,
+        ErrorCode.OK,
+        ErrorCode.CONNECTION_FAILED,
+    ]
     assert time.monotonic() - t0 < 1.0
     assert transport.ping(dead.endpoint, Deadline(2)) == ErrorCode.CONNECTION_FAILED
 
@@ -339,8 +388,9 @@ class SilentServer:
             c.close()
 
 
-def test_a_server_that_never_answers_gives_timeout_by_the_deadline(transport: TcpTransport,
-                                                                   threads_settle: None) -> None:
+def test_a_server_that_never_answers_gives_timeout_by_the_deadline(
+    transport: TcpTransport, threads_settle: None
+) -> None:
     silent = SilentServer()
     try:
         s = Store(f"127.0.0.1:{silent.port}", 1, new_secret())
@@ -394,16 +444,16 @@ def test_a_trickling_peer_cannot_stretch_the_deadline(threads_settle: None) -> N
         s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
         buf = bytearray(1 << 20)
         t0 = time.monotonic()
-        assert t.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(0.5)) == \
-            [ErrorCode.TIMEOUT]
+        assert t.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(0.5)) == [ErrorCode.TIMEOUT]
         assert time.monotonic() - t0 < 0.9
     finally:
         t.close()
         server.close()
 
 
-def test_wait_with_a_shorter_deadline_cancels_and_leaves_the_buffer_alone(transport: TcpTransport,
-                                                                          threads_settle: None) -> None:
+def test_wait_with_a_shorter_deadline_cancels_and_leaves_the_buffer_alone(
+    transport: TcpTransport, threads_settle: None
+) -> None:
     silent = SilentServer()
     try:
         s = Store(f"127.0.0.1:{silent.port}", 1, new_secret())
@@ -476,8 +526,7 @@ def test_close_ends_every_thread_and_later_submits_fail(store: Store, threads_se
     t.close()
     t.close()
     buf = bytearray(10)
-    assert t.transfer([store.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(1)) == \
-        [ErrorCode.SHUTTING_DOWN]
+    assert t.transfer([store.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(1)) == [ErrorCode.SHUTTING_DOWN]
     assert store.server is not None
     wait_until(lambda: store.server is not None and store.server.statistics().connections == 0)
 
@@ -501,8 +550,13 @@ sys.stdin.read()
 @pytest.fixture
 def store_process(tmp_path: Path) -> Iterator[tuple[Store, subprocess.Popen[str]]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", STORE_SCRIPT, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STORE_SCRIPT, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())
@@ -513,8 +567,9 @@ def store_process(tmp_path: Path) -> Iterator[tuple[Store, subprocess.Popen[str]
         proc.wait(timeout=10)
 
 
-def test_a_store_killed_mid_batch_fails_only_that_batch(store_process: tuple[Store, subprocess.Popen[str]],
-                                                        store: Store, transport: TcpTransport) -> None:
+def test_a_store_killed_mid_batch_fails_only_that_batch(
+    store_process: tuple[Store, subprocess.Popen[str]], store: Store, transport: TcpTransport
+) -> None:
     remote, proc = store_process
     put_then_get(transport, remote, [1 << 20, 5])
     values = [random_bytes(1 << 20, i) for i in range(48)]

@@ -51,7 +51,8 @@ def test_unlimited_capacity_pool_equals_the_oracle(capsys: pytest.CaptureFixture
 
 @needs_trace
 def test_3m_tokens_random_routing_pool_is_within_a_point_of_the_oracle(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     r = bench(capsys, "--capacity", "3M", "--routing", "random", "--instances", "8")
     assert r["pool_evictions"] > 0  # the prefix's working set is well above 3 M tokens
     assert abs(r["pool_hit"] - r["oracle_hit"]) <= 0.01
@@ -60,7 +61,8 @@ def test_3m_tokens_random_routing_pool_is_within_a_point_of_the_oracle(
 
 @needs_trace
 def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     ws_tokens = _working_set_tokens(PREFIX)
     r = bench(capsys, "--capacity", str(ws_tokens // 10), "--ssd")
     assert r["pool_demotions"] > 0
@@ -71,8 +73,11 @@ def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
 
 @pytest.mark.slow
 @needs_trace
-@pytest.mark.parametrize("extra", [(), ("--capacity", "3M"), ("--capacity", "2249000", "--ssd")],
-                         ids=["unlimited", "3M", "10pct-dram-ssd"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--capacity", "3M"), ("--capacity", "2249000", "--ssd")],
+    ids=["unlimited", "3M", "10pct-dram-ssd"],
+)
 def test_full_trace(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]) -> None:
     r = bench(capsys, *extra, limit=None)
     target = r["oracle_unlimited_hit"] if "--ssd" in extra else r["oracle_hit"]

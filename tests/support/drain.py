@@ -18,10 +18,17 @@ from kvpool.tools.local_cluster import LocalCluster
 
 def admin(cluster: LocalCluster, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
     """``kvpool-admin --master <cluster> ARGS`` in a subprocess (what an operator runs)."""
-    cmd = [sys.executable, "-m", "kvpool.tools.admin", "--master", cluster.master,
-           "--cluster", cluster.cluster, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
-                          check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpool.tools.admin",
+        "--master",
+        cluster.master,
+        "--cluster",
+        cluster.cluster,
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ), check=False)
 
 
 def admin_json(cluster: LocalCluster, *args: str, timeout: float = 180.0) -> dict[str, Any]:
@@ -36,8 +43,16 @@ def nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
 
 
 def new_client(master: str, cluster: str = "kvpool") -> PoolClient:
-    return PoolClient(config=ClientConfig(master=master, cluster=cluster, use_shm=False, timeout_s=15.0,
-                                          breaker_backoff_s=0.1, breaker_max_backoff_s=0.5))
+    return PoolClient(
+        config=ClientConfig(
+            master=master,
+            cluster=cluster,
+            use_shm=False,
+            timeout_s=15.0,
+            breaker_backoff_s=0.1,
+            breaker_max_backoff_s=0.5,
+        )
+    )
 
 
 class Load:
@@ -125,7 +140,7 @@ class Load:
         good = 0
         bad: list[str] = []
         for start in range(0, len(keys), 128):
-            chunk = keys[start:start + 128]
+            chunk = keys[start : start + 128]
             for key, value in zip(chunk, self.client.batch_get(chunk), strict=True):
                 if value is not None and hashlib.sha256(value).digest() == self.acked[key]:
                     good += 1

@@ -54,8 +54,7 @@ class DelayProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._accept, self.listen[0], self.listen[1]))
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._accept, self.listen[0], self.listen[1]))
         self._ready.set()
         self._loop.run_forever()
 

@@ -34,8 +34,21 @@ def test_a_new_segment_fills_faster_with_free_ratio_first_than_with_random() -> 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bp.add_arguments(parser)
-    args = parser.parse_args(["--segment-mib", "4", "--rounds", "2", "--segments", "2",
-                              "--objects-per-segment", "64", "--seeds", "1", "--json"])
+    args = parser.parse_args(
+        [
+            "--segment-mib",
+            "4",
+            "--rounds",
+            "2",
+            "--segments",
+            "2",
+            "--objects-per-segment",
+            "64",
+            "--seeds",
+            "1",
+            "--json",
+        ]
+    )
     assert bp.run(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [c["policy"] for c in doc["convergence"]] == ["free_ratio_first", "random"]

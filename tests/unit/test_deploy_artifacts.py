@@ -54,8 +54,7 @@ METRICS = {
 HISTOGRAMS = {"kvpool_master_request_seconds"}
 
 YAMLLINT_SOURCE = (
-    "{extends: default, rules: {line-length: {max: 200}, document-start: disable,"
-    " truthy: {check-keys: false}}}"
+    "{extends: default, rules: {line-length: {max: 200}, document-start: disable, truthy: {check-keys: false}}}"
 )
 YAMLLINT_RENDERED = "{extends: relaxed, rules: {line-length: disable}}"
 
@@ -90,16 +89,13 @@ def _yaml() -> Any:
     return yaml
 
 
-def _run(
-    cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO
-) -> subprocess.CompletedProcess[str]:
+def _run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == 0, (
-        f"{' '.join(proc.args)} -> rc={proc.returncode}\n"
-        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        f"{' '.join(proc.args)} -> rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     )
     return proc.stdout
 
@@ -202,9 +198,7 @@ def _kinds(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def _one(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
-    assert len(found) == 1, (
-        f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in found]}"
-    )
+    assert len(found) == 1, f"expected one {kind} named *{suffix}, got {[d['metadata']['name'] for d in found]}"
     return found[0]
 
 
@@ -294,9 +288,7 @@ def test_default_render() -> None:
     etcd_args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
     initial = next(a for a in etcd_args if a.startswith("--initial-cluster="))
     assert len(initial.split("=", 1)[1].split(",")) == 3
-    assert etcd["spec"]["template"]["spec"]["containers"][0]["image"].startswith(
-        "gcr.io/etcd-development/etcd:v3.5."
-    )
+    assert etcd["spec"]["template"]["spec"]["containers"][0]["image"].startswith("gcr.io/etcd-development/etcd:v3.5.")
     headless = _one(docs, "Service", "-etcd-headless")
     assert headless["spec"]["clusterIP"] == "None"
     assert {p["name"] for p in headless["spec"]["ports"]} == {"client", "peer"}
@@ -322,14 +314,10 @@ def test_default_render() -> None:
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
-    assert {"grpc": 50051, "metrics": 9100}.items() <= {
-        p["name"]: p["containerPort"] for p in c["ports"]
-    }.items()
+    assert {"grpc": 50051, "metrics": 9100}.items() <= {p["name"]: p["containerPort"] for p in c["ports"]}.items()
     assert c["resources"]["requests"]
     svc = _one(docs, "Service", "-master")
-    assert {"grpc": 50051, "metrics": 9100}.items() <= {
-        p["name"]: p["port"] for p in svc["spec"]["ports"]
-    }.items()
+    assert {"grpc": 50051, "metrics": 9100}.items() <= {p["name"]: p["port"] for p in svc["spec"]["ports"]}.items()
     pdbs = {d["metadata"]["name"]: d for d in _kinds(docs, "PodDisruptionBudget")}
     assert pdbs["kvpool-master"]["spec"]["maxUnavailable"] == 1
 
@@ -410,9 +398,7 @@ def test_hugepages_rdma_numa_render() -> None:
 
 
 def test_existing_secret_render() -> None:
-    docs = _docs(
-        _ok(_helm_template(["--set", "auth.existingSecret=my-token", "--set", "auth.secretKey=tok"]))
-    )
+    docs = _docs(_ok(_helm_template(["--set", "auth.existingSecret=my-token", "--set", "auth.secretKey=tok"])))
     assert not _kinds(docs, "Secret")
     for kind in ("Deployment", "DaemonSet"):
         vol = next(v for v in _pod_spec(_kinds(docs, kind)[0])["volumes"] if v["name"] == "token")
@@ -636,9 +622,7 @@ def _metric_names(expr: str) -> set[str]:
 
 
 def test_metric_name_extraction() -> None:
-    names = _metric_names(
-        'sum by (le, op) (rate(kvpool_master_request_seconds_bucket{op="put"}[$__rate_interval]))'
-    )
+    names = _metric_names('sum by (le, op) (rate(kvpool_master_request_seconds_bucket{op="put"}[$__rate_interval]))')
     assert names == {"kvpool_master_request_seconds_bucket"}
     assert _metric_names("up + 1e-9") == {"up"}
 
@@ -665,9 +649,7 @@ def test_grafana_dashboard() -> None:
             assert names, f"{panel['title']}: no metric in {target['expr']!r}"
             assert names <= allowed, f"{panel['title']}: unknown metrics {names - allowed}"
             used |= {
-                n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
-                if n not in METRICS
-                else n
+                n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") if n not in METRICS else n
                 for n in names
             }
     assert len(ids) == len(set(ids)), "duplicate panel ids"

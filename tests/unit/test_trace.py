@@ -69,9 +69,7 @@ def synthetic() -> list[Request]:
 
 
 def _line(input_length: int, hash_ids: list[int], ts: int = 0) -> str:
-    return json.dumps(
-        {"timestamp": ts, "input_length": input_length, "output_length": 1, "hash_ids": hash_ids}
-    )
+    return json.dumps({"timestamp": ts, "input_length": input_length, "output_length": 1, "hash_ids": hash_ids})
 
 
 def _req(hash_ids: list[int], input_length: int | None = None) -> Request:
@@ -210,9 +208,7 @@ def _pct(rate: float) -> float:
     ("capacity", "block_pct", "token_pct"),
     [(None, 64.0, 65.1), (10 * M, 56.6, 57.7), (3 * M, 30.9, 31.5)],
 )
-def test_global_lru_golden(
-    synthetic: list[Request], capacity: int | None, block_pct: float, token_pct: float
-) -> None:
+def test_global_lru_golden(synthetic: list[Request], capacity: int | None, block_pct: float, token_pct: float) -> None:
     stats = simulate_global(synthetic, capacity)
     assert stats.blocks_total == 121_877
     assert _pct(stats.block_hit_rate) == pytest.approx(block_pct, abs=0.05)
@@ -231,9 +227,7 @@ def test_global_lru_golden(
         ("prefix", 3 * M, 28.6),
     ],
 )
-def test_private_lru_golden(
-    synthetic: list[Request], routing: str, capacity: int | None, block_pct: float
-) -> None:
+def test_private_lru_golden(synthetic: list[Request], routing: str, capacity: int | None, block_pct: float) -> None:
     stats = simulate_private(synthetic, 8, capacity, routing, seed=0)
     assert _pct(stats.block_hit_rate) == pytest.approx(block_pct, abs=0.05)
 
@@ -374,9 +368,7 @@ def test_run_reports_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_run_human_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(_line(1024, [0, i + 1]) for i in range(4)) + "\n")
-    assert (
-        bench_trace.run(_parse(["--trace", str(path), "--instances", "2", "--routing", "round_robin"])) == 0
-    )
+    assert bench_trace.run(_parse(["--trace", str(path), "--instances", "2", "--routing", "round_robin"])) == 0
     out = capsys.readouterr().out
     assert "oracle (one global LRU)" in out
     assert "37.5%" in out  # 3 of 8 blocks: the shared first block of requests 2..4

@@ -14,15 +14,19 @@ class ClientConfig:
     master: str = option("", "Master address: host:port or etcd://h1:p1,h2:p2.", env=envs.KVPOOL_MASTER)
     timeout_s: float = option(5.0, "Default deadline of one call (lookups, puts, gets).", parse=parse_duration)
     connections_per_store: int = option(4, "TCP connections per store; large objects are striped over them.")
-    stripe_bytes: int = option(2 << 20, "Objects larger than this are split over several connections.",
-                               parse=parse_size)
+    stripe_bytes: int = option(
+        2 << 20, "Objects larger than this are split over several connections.", parse=parse_size
+    )
     replica_num: int = option(0, "Replicas per object (0 = the master's default).")
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
     use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
-    breaker_backoff_s: float = option(0.5, "After a failed master call, fail fast for this long (doubles up to "
-                                           "breaker_max_backoff_s) before trying again.", parse=parse_duration)
-    breaker_max_backoff_s: float = option(5.0, "Longest fail-fast period of the circuit breaker.",
-                                          parse=parse_duration)
+    breaker_backoff_s: float = option(
+        0.5,
+        "After a failed master call, fail fast for this long (doubles up to "
+        "breaker_max_backoff_s) before trying again.",
+        parse=parse_duration,
+    )
+    breaker_max_backoff_s: float = option(5.0, "Longest fail-fast period of the circuit breaker.", parse=parse_duration)
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
     tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)

@@ -56,9 +56,18 @@ _MIN_CALL_S = 0.001  # a network call with less budget than this cannot succeed:
 # Read failures that say "this page cannot be read from where the index says it is" (stale entry, dead
 # store, corrupt copy): worth remembering. A TIMEOUT (our own deadline), an unreachable master or a lease
 # that ran out says nothing about the page, so it must not hide the page from the next lookups.
-_UNREADABLE = frozenset({ErrorCode.OBJECT_NOT_FOUND, ErrorCode.CONNECTION_FAILED, ErrorCode.TRANSFER_FAILED,
-                         ErrorCode.CHECKSUM_MISMATCH, ErrorCode.OUT_OF_BOUNDS, ErrorCode.SEGMENT_NOT_FOUND,
-                         ErrorCode.STORE_NOT_FOUND, ErrorCode.BUFFER_TOO_SMALL})
+_UNREADABLE = frozenset(
+    {
+        ErrorCode.OBJECT_NOT_FOUND,
+        ErrorCode.CONNECTION_FAILED,
+        ErrorCode.TRANSFER_FAILED,
+        ErrorCode.CHECKSUM_MISMATCH,
+        ErrorCode.OUT_OF_BOUNDS,
+        ErrorCode.SEGMENT_NOT_FOUND,
+        ErrorCode.STORE_NOT_FOUND,
+        ErrorCode.BUFFER_TOO_SMALL,
+    }
+)
 
 
 class PrefetchPolicy(enum.StrEnum):
@@ -74,22 +83,21 @@ class PrefetchPolicy(enum.StrEnum):
 
 
 class EndReason(enum.StrEnum):
-    COMPLETE = "complete"    # every hit page arrived
-    MISS = "miss"            # nothing to fetch (no hit, or the lookup failed)
-    FAILED = "failed"        # a read failed: the pages before it are kept
-    DEADLINE = "deadline"    # the timeout policy's deadline passed
+    COMPLETE = "complete"  # every hit page arrived
+    MISS = "miss"  # nothing to fetch (no hit, or the lookup failed)
+    FAILED = "failed"  # a read failed: the pages before it are kept
+    DEADLINE = "deadline"  # the timeout policy's deadline passed
     COLLECTED = "collected"  # best_effort wait(): the caller took what had arrived
     CANCELLED = "cancelled"
-    CLOSED = "closed"        # the EngineClient was closed
-    INVALID = "invalid"      # the destinations do not fit the pages
+    CLOSED = "closed"  # the EngineClient was closed
+    INVALID = "invalid"  # the destinations do not fit the pages
 
 
 class PrefetchHandle:
     """The caller's view of one prefetch. Thread-safe; every method returns without network waits
     (``wait`` blocks at most until its timeout or the policy's end)."""
 
-    def __init__(self, pages: int, policy: PrefetchPolicy, deadline_s: float,
-                 on_wait: Callable[[float], None]) -> None:
+    def __init__(self, pages: int, policy: PrefetchPolicy, deadline_s: float, on_wait: Callable[[float], None]) -> None:
         self.pages = pages
         self.policy = policy
         self.deadline_s = deadline_s
@@ -182,8 +190,9 @@ class PrefetchHandle:
             if hit == 0:
                 self._end_locked(EndReason.MISS)
 
-    def _deliver(self, first_page: int, dests: list[memoryview], staged: list[memoryview],
-                 per_page: int, pages: int) -> int:
+    def _deliver(
+        self, first_page: int, dests: list[memoryview], staged: list[memoryview], per_page: int, pages: int
+    ) -> int:
         """Copy up to ``pages`` staged pages into the caller's buffers (none once the handle is
         closed); returns how many were copied.
 
@@ -208,8 +217,10 @@ class PrefetchHandle:
         return None if self.policy is PrefetchPolicy.WAIT_COMPLETE else self._deadline_at
 
     def __repr__(self) -> str:
-        return (f"PrefetchHandle(pages={self.pages}, hit={self._hit}, completed={self._completed}, "
-                f"policy={self.policy.value}, open={self._open}, reason={self._reason})")
+        return (
+            f"PrefetchHandle(pages={self.pages}, hit={self._hit}, completed={self._completed}, "
+            f"policy={self.policy.value}, open={self._open}, reason={self._reason})"
+        )
 
 
 # ------------------------------------------------------------------------------------------- tasks
@@ -235,14 +246,34 @@ class _Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.values: dict[str, float] = dict.fromkeys((
-            "lookups", "lookup_pages", "lookup_hit_pages", "lookup_seconds",
-            "prefetch_requests", "prefetch_pages", "prefetch_bytes", "prefetch_seconds",
-            "prefetch_hit_pages", "prefetch_wait_seconds", "prefetch_cancelled", "prefetch_deadline",
-            "prefetch_failed", "prefetch_collected",
-            "writeback_queued", "writeback_queued_bytes", "writeback_dropped", "writeback_dropped_bytes",
-            "writeback_done", "writeback_failed", "writeback_bytes", "writeback_seconds",
-            "negative_cache_hits"), 0.0)
+        self.values: dict[str, float] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_pages",
+                "lookup_hit_pages",
+                "lookup_seconds",
+                "prefetch_requests",
+                "prefetch_pages",
+                "prefetch_bytes",
+                "prefetch_seconds",
+                "prefetch_hit_pages",
+                "prefetch_wait_seconds",
+                "prefetch_cancelled",
+                "prefetch_deadline",
+                "prefetch_failed",
+                "prefetch_collected",
+                "writeback_queued",
+                "writeback_queued_bytes",
+                "writeback_dropped",
+                "writeback_dropped_bytes",
+                "writeback_done",
+                "writeback_failed",
+                "writeback_bytes",
+                "writeback_seconds",
+                "negative_cache_hits",
+            ),
+            0.0,
+        )
 
     def add(self, **deltas: float) -> None:
         with self._lock:
@@ -298,8 +329,12 @@ def _byte_view(buf: Buffer, writable: bool) -> memoryview:
 
 
 def _is_ptr_form(into: Into) -> bool:
-    return (isinstance(into, tuple) and len(into) == 2 and isinstance(into[0], (list, tuple))
-            and all(isinstance(p, int) for p in into[0][:1]))
+    return (
+        isinstance(into, tuple)
+        and len(into) == 2
+        and isinstance(into[0], (list, tuple))
+        and all(isinstance(p, int) for p in into[0][:1])
+    )
 
 
 class EngineClient:
@@ -308,10 +343,20 @@ class EngineClient:
     ``pool`` is shared and not owned: ``close()`` leaves it open.
     """
 
-    def __init__(self, pool: PoolClient, namespace: Namespace, page_size: int, page_bytes: PageBytes,
-                 max_writeback_bytes: int = 256 * MiB, io_threads: int = 2, *,
-                 lookup_timeout_s: float = 0.25, writeback_timeout_s: float = 10.0,
-                 chunk_bytes: int = 4 * MiB, negative_ttl_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        pool: PoolClient,
+        namespace: Namespace,
+        page_size: int,
+        page_bytes: PageBytes,
+        max_writeback_bytes: int = 256 * MiB,
+        io_threads: int = 2,
+        *,
+        lookup_timeout_s: float = 0.25,
+        writeback_timeout_s: float = 10.0,
+        chunk_bytes: int = 4 * MiB,
+        negative_ttl_s: float = 2.0,
+    ) -> None:
         if page_size <= 0 or io_threads < 1 or max_writeback_bytes < 0 or chunk_bytes <= 0:
             raise ValueError("need page_size > 0, io_threads >= 1, max_writeback_bytes >= 0, chunk_bytes > 0")
         self.pool = pool
@@ -330,7 +375,7 @@ class EngineClient:
         self._prefetch_q: deque[_PrefetchTask] = deque()
         self._writeback_q: deque[_WriteBackTask] = deque()
         self._open_handles: set[PrefetchHandle] = set()
-        self._wb_bytes = 0       # queued + in flight: what max_writeback_bytes bounds
+        self._wb_bytes = 0  # queued + in flight: what max_writeback_bytes bounds
         self._wb_active = 0
         # Reads are latency-critical: with 2+ threads, write-backs never occupy the last one, so a
         # prefetch never queues behind a long put.
@@ -338,8 +383,9 @@ class EngineClient:
         self._closed = False
         self._stopping = False
         self._last_writeback_error = ""  # for diagnosis: the codes of the latest failed write-back
-        self._threads = [threading.Thread(target=self._worker, name=f"kvpool-engine-io-{i}", daemon=True)
-                         for i in range(io_threads)]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"kvpool-engine-io-{i}", daemon=True) for i in range(io_threads)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -369,8 +415,7 @@ class EngineClient:
 
     # --- lookups -----------------------------------------------------------------------------------
 
-    def prefix_length(self, tokens_or_keys: Sequence[int] | Sequence[str],
-                      timeout: float | None = None) -> int:
+    def prefix_length(self, tokens_or_keys: Sequence[int] | Sequence[str], timeout: float | None = None) -> int:
         """Leading pages the pool holds (all objects of each page); one master round trip.
 
         Synchronous by nature, bounded by ``timeout`` (default ``lookup_timeout_s``); 0 when degraded.
@@ -385,15 +430,26 @@ class EngineClient:
         objects = self.pool.prefix_length(self.object_keys(hashes), timeout=max(timeout, 0.001))
         found = objects // self.objects_per_page
         pages = self._negative.truncate(hashes, found)
-        self._metrics.add(lookups=1, lookup_pages=len(hashes), lookup_hit_pages=pages,
-                          lookup_seconds=time.monotonic() - start, negative_cache_hits=int(pages < found))
+        self._metrics.add(
+            lookups=1,
+            lookup_pages=len(hashes),
+            lookup_hit_pages=pages,
+            lookup_seconds=time.monotonic() - start,
+            negative_cache_hits=int(pages < found),
+        )
         return pages
 
     # --- prefetch --------------------------------------------------------------------------------
 
-    def prefetch(self, keys: Sequence[str], into: Into, deadline_s: float = 1.0,
-                 policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT, *,
-                 hit_pages: int | None = None) -> PrefetchHandle:
+    def prefetch(
+        self,
+        keys: Sequence[str],
+        into: Into,
+        deadline_s: float = 1.0,
+        policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT,
+        *,
+        hit_pages: int | None = None,
+    ) -> PrefetchHandle:
         """Start fetching the pages ``keys`` (page hashes) into ``into``; returns at once.
 
         ``into``: one writable buffer per object (``len(keys) * objects_per_page``, each exactly the
@@ -406,8 +462,9 @@ class EngineClient:
         expected = len(hashes) * self.objects_per_page
         n_into = len(into[0]) if _is_ptr_form(into) else len(into)
         if n_into != expected:
-            raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                              f"{len(hashes)} pages need {expected} destinations, got {n_into}")
+            raise KvPoolError(
+                ErrorCode.INVALID_ARGUMENT, f"{len(hashes)} pages need {expected} destinations, got {n_into}"
+            )
         handle = PrefetchHandle(len(hashes), policy, deadline_s, self._on_wait)
         self._metrics.add(prefetch_requests=1)
         if not hashes or hit_pages == 0:
@@ -449,12 +506,16 @@ class EngineClient:
 
     def _count_prefetch(self, handle: PrefetchHandle, nbytes: int, seconds: float) -> None:
         reason = handle.end_reason
-        self._metrics.add(prefetch_pages=handle.completed_pages(), prefetch_bytes=nbytes,
-                          prefetch_seconds=seconds, prefetch_hit_pages=handle.hit_pages() or 0,
-                          prefetch_cancelled=int(reason is EndReason.CANCELLED),
-                          prefetch_deadline=int(reason is EndReason.DEADLINE),
-                          prefetch_failed=int(reason is EndReason.FAILED),
-                          prefetch_collected=int(reason is EndReason.COLLECTED))
+        self._metrics.add(
+            prefetch_pages=handle.completed_pages(),
+            prefetch_bytes=nbytes,
+            prefetch_seconds=seconds,
+            prefetch_hit_pages=handle.hit_pages() or 0,
+            prefetch_cancelled=int(reason is EndReason.CANCELLED),
+            prefetch_deadline=int(reason is EndReason.DEADLINE),
+            prefetch_failed=int(reason is EndReason.FAILED),
+            prefetch_collected=int(reason is EndReason.COLLECTED),
+        )
 
     def _prefetch_hit(self, task: _PrefetchTask) -> int:
         if task.hit_pages is not None:
@@ -486,17 +547,17 @@ class EngineClient:
                 handle._end(EndReason.DEADLINE)
                 break
             pages = min(chunk_pages, hit - first)
-            keys = self.object_keys(task.hashes[first:first + pages])
+            keys = self.object_keys(task.hashes[first : first + pages])
             sizes = self._dest_sizes(task, first, pages)
             self._check_sizes(keys, sizes)
             staged = self._staging(sizes)
             codes = self.pool.batch_get_into(keys, staged, timeout=timeout)
             good = _leading_good_pages(codes, sizes, per_page)
-            if good < pages and _unreadable(codes[good * per_page:(good + 1) * per_page]):
+            if good < pages and _unreadable(codes[good * per_page : (good + 1) * per_page]):
                 self._negative.add(task.hashes[first + good])
             dests = self._dest_views(task, first, pages)
             delivered = handle._deliver(first, dests, staged, per_page, good)
-            fetched += sum(sizes[:delivered * per_page])
+            fetched += sum(sizes[: delivered * per_page])
             if good < pages:
                 handle._end(_failure_reason(handle))
             if handle.done():
@@ -522,8 +583,10 @@ class EngineClient:
         for key, size in zip(keys, sizes, strict=True):
             want = self.page_bytes(key)
             if size != want:
-                raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                                  f"destination of {key} holds {size} bytes, a page object is {want}")
+                raise KvPoolError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"destination of {key} holds {size} bytes, a page object is {want}",
+                )
 
     def _staging(self, sizes: list[int]) -> list[memoryview]:
         """Views over this thread's staging buffer (grown on demand, reused across chunks)."""
@@ -535,14 +598,20 @@ class EngineClient:
         view = memoryview(buf)
         out, offset = [], 0
         for size in sizes:
-            out.append(view[offset:offset + size])
+            out.append(view[offset : offset + size])
             offset += size
         return out
 
     # --- write-back ------------------------------------------------------------------------------
 
-    def write_back(self, keys: Sequence[str], buffers: Sequence[Buffer], *, copy: bool = True,
-                   on_done: Callable[[bool], object] | None = None) -> bool:
+    def write_back(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Buffer],
+        *,
+        copy: bool = True,
+        on_done: Callable[[bool], object] | None = None,
+    ) -> bool:
         """Queue an asynchronous put of the pages ``keys`` (one buffer per object, as for prefetch).
 
         Returns False - the write-back is DROPPED and counted - when it would take the queue past
@@ -553,9 +622,10 @@ class EngineClient:
         """
         hashes = list(keys)
         if len(buffers) != len(hashes) * self.objects_per_page:
-            raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                              f"{len(hashes)} pages need {len(hashes) * self.objects_per_page} buffers, "
-                              f"got {len(buffers)}")
+            raise KvPoolError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"{len(hashes)} pages need {len(hashes) * self.objects_per_page} buffers, got {len(buffers)}",
+            )
         views = [_byte_view(b, writable=False) for b in buffers]
         nbytes = sum(v.nbytes for v in views)
         with self._cond:
@@ -577,16 +647,20 @@ class EngineClient:
         ok = True
         per_chunk = max(1, self.chunk_bytes // max(1, task.buffers[0].nbytes)) if task.buffers else 1
         for lo in range(0, len(keys), per_chunk):
-            codes = self.pool.batch_put_from(keys[lo:lo + per_chunk], task.buffers[lo:lo + per_chunk],
-                                             timeout=self.writeback_timeout_s)
+            codes = self.pool.batch_put_from(
+                keys[lo : lo + per_chunk], task.buffers[lo : lo + per_chunk], timeout=self.writeback_timeout_s
+            )
             if any(c != 0 for c in codes):
                 ok = False
                 self._last_writeback_error = ", ".join(sorted({strerror(c) for c in codes if c != 0}))
                 log.debug("write-back of %d objects failed: %s", len(codes), self._last_writeback_error)
                 break  # the master or a store is in trouble: do not push the rest into it
-        self._metrics.add(writeback_done=int(ok), writeback_failed=int(not ok),
-                          writeback_bytes=task.nbytes if ok else 0,
-                          writeback_seconds=time.monotonic() - start)
+        self._metrics.add(
+            writeback_done=int(ok),
+            writeback_failed=int(not ok),
+            writeback_bytes=task.nbytes if ok else 0,
+            writeback_seconds=time.monotonic() - start,
+        )
         if task.on_done is not None:
             try:
                 task.on_done(ok)
@@ -670,8 +744,7 @@ class EngineClient:
                 self._writeback_q.clear()
                 for task in dropped:
                     self._wb_bytes -= task.nbytes
-            self._metrics.add(writeback_dropped=len(dropped),
-                              writeback_dropped_bytes=sum(t.nbytes for t in dropped))
+            self._metrics.add(writeback_dropped=len(dropped), writeback_dropped_bytes=sum(t.nbytes for t in dropped))
         with self._cond:
             self._stopping = True
             self._cond.notify_all()

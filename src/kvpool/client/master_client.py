@@ -81,9 +81,17 @@ class _Breaker:
 class MasterClient:
     """Thread-safe: each call checks a connection out of the pool for its round trip."""
 
-    def __init__(self, master: str, *, token_file: str = "", cluster: str = "kvpool", tls_ca: str = "",
-                 breaker_backoff_s: float = 0.5, breaker_max_backoff_s: float = 5.0,
-                 resolver: Callable[[float], str] | None = None) -> None:
+    def __init__(
+        self,
+        master: str,
+        *,
+        token_file: str = "",
+        cluster: str = "kvpool",
+        tls_ca: str = "",
+        breaker_backoff_s: float = 0.5,
+        breaker_max_backoff_s: float = 5.0,
+        resolver: Callable[[float], str] | None = None,
+    ) -> None:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
         self._resolve = resolver or _make_resolver(master, cluster)
@@ -106,8 +114,11 @@ class MasterClient:
         with tls.channel(grpc_endpoint, self._tls_ca) as channel:
             stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
-                info = stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=_timeout(deadline, 2.0),
-                                           metadata=grpc_metadata(self._token))
+                info = stub.GetClusterInfo(
+                    pb.ClusterInfoRequest(),
+                    timeout=_timeout(deadline, 2.0),
+                    metadata=grpc_metadata(self._token),
+                )
             except grpc.RpcError as exc:
                 raise KvPoolError(grpc_error_code(exc), f"master {grpc_endpoint}: {exc.code().name}") from exc
         with self._lock:
@@ -263,6 +274,7 @@ def _make_resolver(master: str, cluster: str) -> Callable[[float], str]:
 
         return etcd_resolver(master, cluster)
     split_endpoint(master)  # validate early: a typo should fail at construction, not on first call
+
     def direct(wait_s: float = 0.0) -> str:
         return master
 

@@ -30,7 +30,7 @@ from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
-from kvpool.transfer.base import Replica, TransferRequest, Transport
+from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.registry import TransportSet
 
 log = get_logger(__name__)
@@ -52,10 +52,14 @@ class PutConfig:
     preferred_node: str = ""
 
     def to_proto(self, default_replicas: int, node: str) -> pb.PutConfig:
-        return pb.PutConfig(replica_num=self.replica_num or default_replicas, hard_pin=self.hard_pin,
-                            soft_pin_ttl_ms=int(self.soft_pin_ttl_s * 1000),
-                            preferred_segments=list(self.preferred_segments),
-                            preferred_node=self.preferred_node, writer_node=node)
+        return pb.PutConfig(
+            replica_num=self.replica_num or default_replicas,
+            hard_pin=self.hard_pin,
+            soft_pin_ttl_ms=int(self.soft_pin_ttl_s * 1000),
+            preferred_segments=list(self.preferred_segments),
+            preferred_node=self.preferred_node,
+            writer_node=node,
+        )
 
 
 def ptr_view(ptr: int, size: int) -> memoryview:
@@ -75,8 +79,20 @@ def _byte_view(buf: Buffer, writable: bool) -> memoryview:
 class _Counters:
     """What the client did, for an engine to publish (``PoolClient.metrics()``)."""
 
-    FIELDS = ("puts", "put_bytes", "put_errors", "gets", "get_bytes", "get_misses", "get_errors",
-              "checksum_mismatches", "lease_expired", "lookups", "lookup_hits", "degraded_calls")
+    FIELDS = (
+        "puts",
+        "put_bytes",
+        "put_errors",
+        "gets",
+        "get_bytes",
+        "get_misses",
+        "get_errors",
+        "checksum_mismatches",
+        "lease_expired",
+        "lookups",
+        "lookup_hits",
+        "degraded_calls",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -95,8 +111,14 @@ class _Counters:
 class PoolClient:
     """A thread-safe handle on the pool. ``PoolClient("host:port")`` or ``PoolClient.from_env()``."""
 
-    def __init__(self, master: str | None = None, *, config: ClientConfig | None = None,
-                 transports: TransportSet | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        master: str | None = None,
+        *,
+        config: ClientConfig | None = None,
+        transports: TransportSet | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         cfg = config or ClientConfig()
         if master:
             cfg.master = master
@@ -104,9 +126,14 @@ class PoolClient:
         self.client_id = uuid.uuid4().hex
         self.node = envs.node_name()
         self._clock = clock
-        self._master = MasterClient(cfg.master, token_file=cfg.token_file, cluster=cfg.cluster, tls_ca=cfg.tls_ca,
-                                    breaker_backoff_s=cfg.breaker_backoff_s,
-                                    breaker_max_backoff_s=cfg.breaker_max_backoff_s)
+        self._master = MasterClient(
+            cfg.master,
+            token_file=cfg.token_file,
+            cluster=cfg.cluster,
+            tls_ca=cfg.tls_ca,
+            breaker_backoff_s=cfg.breaker_backoff_s,
+            breaker_max_backoff_s=cfg.breaker_max_backoff_s,
+        )
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()
         self._closed = False
@@ -114,8 +141,12 @@ class PoolClient:
     @classmethod
     def from_env(cls, **overrides: Any) -> PoolClient:
         """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...)."""
-        cfg = ClientConfig(master=envs.KVPOOL_MASTER.get(), token_file=envs.KVPOOL_TOKEN_FILE.get(),
-                           cluster=envs.KVPOOL_CLUSTER.get(), **overrides)
+        cfg = ClientConfig(
+            master=envs.KVPOOL_MASTER.get(),
+            token_file=envs.KVPOOL_TOKEN_FILE.get(),
+            cluster=envs.KVPOOL_CLUSTER.get(),
+            **overrides,
+        )
         return cls(config=cfg)
 
     def _deadline(self, timeout: float | None) -> Deadline:
@@ -128,8 +159,9 @@ class PoolClient:
         if not keys:
             return []
         try:
-            resp = self._master.call(frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys)),
-                                     self._deadline(timeout))
+            resp = self._master.call(
+                frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys)), self._deadline(timeout)
+            )
         except KvPoolError as exc:
             self._counters.add(degraded_calls=1)
             return [int(exc.code)] * len(keys)
@@ -145,8 +177,11 @@ class PoolClient:
         if not keys:
             return 0
         try:
-            resp = self._master.call(frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys), prefix=True),
-                                     self._deadline(timeout))
+            resp = self._master.call(
+                frames.Op.BATCH_EXISTS,
+                pb.BatchExistsRequest(keys=list(keys), prefix=True),
+                self._deadline(timeout),
+            )
         except KvPoolError:
             self._counters.add(degraded_calls=1)
             return 0
@@ -158,12 +193,22 @@ class PoolClient:
     def put(self, key: str, value: Buffer, config: PutConfig | None = None, timeout: float | None = None) -> int:
         return self.batch_put_from([key], [value], config, timeout)[0]
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffer], config: PutConfig | None = None,
-                  timeout: float | None = None) -> list[int]:
+    def batch_put(
+        self,
+        keys: Sequence[str],
+        values: Sequence[Buffer],
+        config: PutConfig | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
         return self.batch_put_from(keys, values, config, timeout)
 
-    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Buffer], config: PutConfig | None = None,
-                       timeout: float | None = None) -> list[int]:
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Buffer],
+        config: PutConfig | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
         """Store each buffer under its key (zero-copy from the buffers): 0 or a negative code per key."""
         if len(keys) != len(buffers):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
@@ -173,8 +218,11 @@ class PoolClient:
         views = [_byte_view(b, writable=False) for b in buffers]
         codes = [int(ErrorCode.OK)] * len(keys)
         request = pb.BatchPutStartRequest(
-            client_id=self.client_id, keys=list(keys), sizes=[len(v) for v in views],
-            config=(config or PutConfig()).to_proto(self.config.replica_num, self.node))
+            client_id=self.client_id,
+            keys=list(keys),
+            sizes=[len(v) for v in views],
+            config=(config or PutConfig()).to_proto(self.config.replica_num, self.node),
+        )
         try:
             started = self._master.call(frames.Op.BATCH_PUT_START, request, deadline)
         except KvPoolError as exc:
@@ -195,8 +243,11 @@ class PoolClient:
         failpoint(CLIENT_PUT_BEFORE_END)  # chaos tests: a writer dying between the transfers and PutEnd
         self._finish_puts(keys, started.results, written, sums, codes, deadline)
         ok = sum(1 for c in codes if c == 0)
-        self._counters.add(puts=ok, put_errors=len(keys) - ok,
-                           put_bytes=sum(len(v) for v, c in zip(views, codes, strict=True) if c == 0))
+        self._counters.add(
+            puts=ok,
+            put_errors=len(keys) - ok,
+            put_bytes=sum(len(v) for v, c in zip(views, codes, strict=True) if c == 0),
+        )
         return codes
 
     def _write_all(self, transfers: list[tuple[int, TransferRequest]], deadline: Deadline) -> dict[int, ErrorCode]:
@@ -208,8 +259,15 @@ class PoolClient:
                 outcome[i] = code
         return outcome
 
-    def _finish_puts(self, keys: Sequence[str], results: Any, written: dict[int, ErrorCode], sums: list[int],
-                     codes: list[int], deadline: Deadline) -> None:
+    def _finish_puts(
+        self,
+        keys: Sequence[str],
+        results: Any,
+        written: dict[int, ErrorCode],
+        sums: list[int],
+        codes: list[int],
+        deadline: Deadline,
+    ) -> None:
         done = [i for i, code in written.items() if code == ErrorCode.OK]
         failed = [i for i, code in written.items() if code != ErrorCode.OK]
         for i in failed:
@@ -219,9 +277,15 @@ class PoolClient:
         finish = Deadline(max(deadline.remaining() or 0.0, 1.0))
         if done:
             try:
-                resp = self._master.call(frames.Op.BATCH_PUT_END, pb.BatchPutEndRequest(
-                    client_id=self.client_id, keys=[keys[i] for i in done], checksums=[sums[i] for i in done]),
-                    finish)
+                resp = self._master.call(
+                    frames.Op.BATCH_PUT_END,
+                    pb.BatchPutEndRequest(
+                        client_id=self.client_id,
+                        keys=[keys[i] for i in done],
+                        checksums=[sums[i] for i in done],
+                    ),
+                    finish,
+                )
                 for i, code in zip(done, resp.codes, strict=True):
                     codes[i] = 0 if as_code(code) in _PUT_OK else int(code)
             except KvPoolError as exc:
@@ -229,8 +293,11 @@ class PoolClient:
                     codes[i] = int(exc.code)
         if failed:
             try:
-                self._master.call(frames.Op.BATCH_PUT_REVOKE, pb.BatchPutRevokeRequest(
-                    client_id=self.client_id, keys=[keys[i] for i in failed]), finish)
+                self._master.call(
+                    frames.Op.BATCH_PUT_REVOKE,
+                    pb.BatchPutRevokeRequest(client_id=self.client_id, keys=[keys[i] for i in failed]),
+                    finish,
+                )
             except KvPoolError as exc:  # the master reclaims abandoned puts after put_timeout
                 log.warning("put revoke failed (%s); the master will reclaim the space", exc)
 
@@ -252,8 +319,7 @@ class PoolClient:
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
         return self.batch_get_into([key], [buffer], timeout)[0]
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer],
-                       timeout: float | None = None) -> list[int]:
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer], timeout: float | None = None) -> list[int]:
         """Read each object into its buffer (zero-copy): bytes read, or a negative code per key."""
         if len(keys) != len(buffers):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
@@ -266,29 +332,37 @@ class PoolClient:
             return [int(results)] * len(keys)
         return self._read_all(keys, results, views, deadline)
 
-    def batch_get_into_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-                            timeout: float | None = None) -> list[int]:
+    def batch_get_into_ptrs(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
+    ) -> list[int]:
         """``batch_get_into`` for raw host-memory pointers (Mooncake's signature)."""
         return self.batch_get_into(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], timeout)
 
-    def batch_put_from_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-                            config: PutConfig | None = None, timeout: float | None = None) -> list[int]:
-        return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config,
-                                   timeout)
+    def batch_put_from_ptrs(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        config: PutConfig | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config, timeout)
 
     def _get_replicas(self, keys: Sequence[str], deadline: Deadline) -> list[Any] | ErrorCode:
         if not keys:
             return []
         try:
-            resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=list(keys)),
-                                     deadline)
+            resp = self._master.call(
+                frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=list(keys)), deadline
+            )
         except KvPoolError as exc:
             self._counters.add(degraded_calls=1, get_errors=len(keys))
             return exc.code
         return list(resp.results)
 
-    def _read_all(self, keys: Sequence[str], results: list[Any], views: list[memoryview],
-                  deadline: Deadline) -> list[int]:
+    def _read_all(
+        self, keys: Sequence[str], results: list[Any], views: list[memoryview], deadline: Deadline
+    ) -> list[int]:
         """Read each found object from one replica, falling back to the next replica on failure."""
         codes = [0] * len(keys)
         pending: dict[int, list[Replica]] = {}
@@ -304,10 +378,12 @@ class PoolClient:
                 pending[i] = self._transports.order([_replica(d) for d in r.replicas])
         while pending:
             batch = {i: replicas.pop(0) for i, replicas in pending.items()}
-            requests = [TransferRequest(GrantOp.READ, keys[i].encode(), rep, views[i][:results[i].size])
-                        for i, rep in batch.items()]
+            requests = [
+                TransferRequest(GrantOp.READ, keys[i].encode(), rep, views[i][: results[i].size])
+                for i, rep in batch.items()
+            ]
             for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
-                code = self._verify(code, views[i][:results[i].size], results[i])
+                code = self._verify(code, views[i][: results[i].size], results[i])
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
                     del pending[i]
@@ -330,8 +406,7 @@ class PoolClient:
     def _count_reads(self, codes: list[int]) -> None:
         misses = sum(1 for c in codes if c == ErrorCode.OBJECT_NOT_FOUND)
         ok = [c for c in codes if c >= 0]
-        self._counters.add(gets=len(ok), get_bytes=sum(ok), get_misses=misses,
-                           get_errors=len(codes) - len(ok) - misses)
+        self._counters.add(gets=len(ok), get_bytes=sum(ok), get_misses=misses, get_errors=len(codes) - len(ok) - misses)
 
     # --- removal, pins, buffers, stats ----------------------------------------------------------
 
@@ -340,8 +415,11 @@ class PoolClient:
 
     def batch_remove(self, keys: Sequence[str], force: bool = False, timeout: float | None = None) -> list[int]:
         try:
-            resp = self._master.call(frames.Op.BATCH_REMOVE, pb.BatchRemoveRequest(keys=list(keys), force=force),
-                                     self._deadline(timeout))
+            resp = self._master.call(
+                frames.Op.BATCH_REMOVE,
+                pb.BatchRemoveRequest(keys=list(keys), force=force),
+                self._deadline(timeout),
+            )
         except KvPoolError as exc:
             return [int(exc.code)] * len(keys)
         return [int(c) for c in resp.codes]
@@ -349,8 +427,9 @@ class PoolClient:
     def remove_all(self, force: bool = False, prefix: str = "", timeout: float | None = None) -> int:
         """Remove every object (whose key starts with ``prefix``); returns how many, or a negative code."""
         try:
-            resp = self._master.call(frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=force, prefix=prefix),
-                                     self._deadline(timeout))
+            resp = self._master.call(
+                frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=force, prefix=prefix), self._deadline(timeout)
+            )
         except KvPoolError as exc:
             return int(exc.code)
         return int(resp.removed)
@@ -390,5 +469,4 @@ class PoolClient:
 
 
 def _replica(d: pb.ReplicaDescriptor) -> Replica:
-    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac,
-                   d.tier)
+    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac, d.tier)

@@ -85,8 +85,10 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._checker = checker
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{ErrorCode.AUTH_FAILED.name}: missing or wrong cluster token")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{ErrorCode.AUTH_FAILED.name}: missing or wrong cluster token",
+            )
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -104,9 +106,11 @@ class _RefusalCollector(Collector):
         self._service = service
 
     def collect(self) -> Any:
-        family = CounterMetricFamily(f"kvpool_{self._service}_auth_refused",
-                                     "Requests or connections refused for a missing or wrong cluster token",
-                                     labels=["plane"])
+        family = CounterMetricFamily(
+            f"kvpool_{self._service}_auth_refused",
+            "Requests or connections refused for a missing or wrong cluster token",
+            labels=["plane"],
+        )
         with self._checker._lock:
             counts = dict(self._checker.refused_by_plane)
         for plane in ("grpc", "rpc", "data"):

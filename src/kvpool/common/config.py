@@ -49,12 +49,23 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tupl
         if env is not None:
             help_text += f"; env {env.name}"
         if isinstance(field.default, bool):
-            parser.add_argument(_flag(field.name), dest=field.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(
+                _flag(field.name),
+                dest=field.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
             continue
         parse = meta.get("parse") or (type(field.default) if field.default is not None else str)
-        parser.add_argument(_flag(field.name), dest=field.name, default=None, type=parse,
-                            choices=meta.get("choices"), help=help_text)
+        parser.add_argument(
+            _flag(field.name),
+            dest=field.name,
+            default=None,
+            type=parse,
+            choices=meta.get("choices"),
+            help=help_text,
+        )
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:

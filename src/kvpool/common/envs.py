@@ -36,16 +36,26 @@ class EnvVar(Generic[T]):
 
 
 KVPOOL_MASTER = EnvVar("KVPOOL_MASTER", "", "Master address: host:port or etcd://h1:p1,h2:p2 (clients, stores, admin).")
-KVPOOL_CLUSTER = EnvVar("KVPOOL_CLUSTER", "kvpool", "Cluster name: the etcd key prefix and the shared-memory file prefix.")
+KVPOOL_CLUSTER = EnvVar(
+    "KVPOOL_CLUSTER", "kvpool", "Cluster name: the etcd key prefix and the shared-memory file prefix."
+)
 KVPOOL_TOKEN = EnvVar("KVPOOL_TOKEN", "", "The cluster token itself (prefer KVPOOL_TOKEN_FILE).")
 KVPOOL_TOKEN_FILE = EnvVar("KVPOOL_TOKEN_FILE", "", "A file holding the cluster token.")
 KVPOOL_LOG_LEVEL = EnvVar("KVPOOL_LOG_LEVEL", "INFO", "Log level of every kvpool process.")
 KVPOOL_LOG_JSON = EnvVar("KVPOOL_LOG_JSON", False, "Write structured (JSON) log lines.")
-KVPOOL_FAILPOINTS = EnvVar("KVPOOL_FAILPOINTS", "", "Failpoints to enable, name=sleep:S|exit|raise,... (tests only; "
-                                                  "kvpool.common.failpoints).")
-KVPOOL_FUZZ_EXAMPLES = EnvVar("KVPOOL_FUZZ_EXAMPLES", 0, "Examples per fuzz test (0 = the few-second CI default; "
-                                                     "raise it for a long fuzzing run).")
-KVPOOL_TEST_RDMA_DEVICE = EnvVar("KVPOOL_TEST_RDMA_DEVICE", "", "Run the opt-in RDMA test on this device (e.g. mlx5_0).")
+KVPOOL_FAILPOINTS = EnvVar(
+    "KVPOOL_FAILPOINTS",
+    "",
+    "Failpoints to enable, name=sleep:S|exit|raise,... (tests only; kvpool.common.failpoints).",
+)
+KVPOOL_FUZZ_EXAMPLES = EnvVar(
+    "KVPOOL_FUZZ_EXAMPLES",
+    0,
+    "Examples per fuzz test (0 = the few-second CI default; raise it for a long fuzzing run).",
+)
+KVPOOL_TEST_RDMA_DEVICE = EnvVar(
+    "KVPOOL_TEST_RDMA_DEVICE", "", "Run the opt-in RDMA test on this device (e.g. mlx5_0)."
+)
 KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
 KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
 

@@ -339,9 +339,7 @@ class EtcdClient:
 
     # ---- the retry core --------------------------------------------------------------------------------
 
-    def _call(
-        self, what: str, fn: Callable[[_Endpoint, float], T], timeout: float | None = None
-    ) -> tuple[T, bool]:
+    def _call(self, what: str, fn: Callable[[_Endpoint, float], T], timeout: float | None = None) -> tuple[T, bool]:
         """Run ``fn(member, attempt_timeout_s)`` until it succeeds or the call's budget is spent.
 
         Returns ``(result, ambiguous)``: ``ambiguous`` is True when an earlier attempt failed in a way that
@@ -420,9 +418,7 @@ class EtcdClient:
         kvs, _ = self.read(prefix, prefix=True, timeout=timeout)
         return kvs
 
-    def put(
-        self, key: str | bytes, value: str | bytes, lease: int = 0, *, timeout: float | None = None
-    ) -> int:
+    def put(self, key: str | bytes, value: str | bytes, lease: int = 0, *, timeout: float | None = None) -> int:
         """Unconditional put; returns the revision of the write."""
         req = rpc_pb2.PutRequest(key=_encode_key(key), value=_encode_value(value), lease=lease)
         resp, _ = self._unary("put", lambda ep: ep.kv.Put, req, timeout)
@@ -470,9 +466,7 @@ class EtcdClient:
         which is reported as our success (lease ids are unique, so this cannot claim someone else's key).
         """
         k, v = _encode_key(key), _encode_value(value)
-        cmp = rpc_pb2.Compare(
-            key=k, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0
-        )
+        cmp = rpc_pb2.Compare(key=k, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0)
         ok, revision, existing, _ = self._txn_put_if("create_if_absent", cmp, k, v, lease, timeout)
         if ok:
             return True, revision, None
@@ -539,9 +533,7 @@ class EtcdClient:
         # After a timed-out attempt the compare fails on a key that attempt already deleted.
         return ambiguous and self.get(key, timeout=timeout) is None
 
-    def delete_if(
-        self, key: str | bytes, expected_create_revision: int, *, timeout: float | None = None
-    ) -> bool:
+    def delete_if(self, key: str | bytes, expected_create_revision: int, *, timeout: float | None = None) -> bool:
         """Delete ``key`` only if it is still the incarnation created at ``expected_create_revision``."""
         k = _encode_key(key)
         cmp = rpc_pb2.Compare(
@@ -738,9 +730,7 @@ class LeaseKeeper:
         self.lease_id, self.ttl = self._client._grant(self._requested_ttl)
         self._expiry = sent + self.ttl
         self._client._adopt(self)
-        self._thread = threading.Thread(
-            target=self._run, name=f"etcd-{self._name}-{self.lease_id:x}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"etcd-{self._name}-{self.lease_id:x}", daemon=True)
         self._thread.start()
         return self.lease_id
 
@@ -758,9 +748,7 @@ class LeaseKeeper:
             try:
                 self._client.lease_revoke(self.lease_id, timeout=timeout)
             except KvPoolError as e:
-                log.warning(
-                    "could not revoke lease %x (it will expire in <= %ds): %s", self.lease_id, self.ttl, e
-                )
+                log.warning("could not revoke lease %x (it will expire in <= %ds): %s", self.lease_id, self.ttl, e)
 
     def _run(self) -> None:
         interval = self.ttl / 3.0
@@ -776,9 +764,7 @@ class LeaseKeeper:
                 return
             try:
                 # Never wait past the local expiry: the loss must be reported on time.
-                left = self._client.lease_keepalive_once(
-                    self.lease_id, timeout=max(0.05, self._expiry - sent)
-                )
+                left = self._client.lease_keepalive_once(self.lease_id, timeout=max(0.05, self._expiry - sent))
             except KvPoolError as e:
                 log.warning("lease %x renewal failed (%.2fs left): %s", self.lease_id, self._expiry - sent, e)
                 next_renewal = time.monotonic() + retry
@@ -913,9 +899,7 @@ class Watcher:
     def _stream(self, start_revision: int) -> bool:
         """Run one watch stream on one member; returns True if it was established before it ended."""
         requests: queue.Queue[rpc_pb2.WatchRequest | None] = queue.Queue()
-        create = rpc_pb2.WatchCreateRequest(
-            key=self._key, range_end=self._range_end, start_revision=start_revision
-        )
+        create = rpc_pb2.WatchCreateRequest(key=self._key, range_end=self._range_end, start_revision=start_revision)
         requests.put(rpc_pb2.WatchRequest(create_request=create))
         last_rx = [time.monotonic()]
         ep = self._client._members.pick()
@@ -938,9 +922,7 @@ class Watcher:
         finally:
             self._cancel_stream()
         if not self._stopped.is_set():
-            log.info(
-                "etcd watch on %r: %s; resuming at revision %s", _decode_key(self._key), why, self._next_rev
-            )
+            log.info("etcd watch on %r: %s; resuming at revision %s", _decode_key(self._key), why, self._next_rev)
             self._client._members.failed(ep, why)
         return self._created
 

@@ -50,8 +50,15 @@ def sign(secret: bytes, op: GrantOp, segment_id: int, offset: int, length: int, 
 def make_grant(
     secret: bytes, op: GrantOp, segment_id: int, offset: int, length: int, expiry_ms: int, key: bytes
 ) -> Grant:
-    return Grant(op, segment_id, offset, length, expiry_ms, key,
-                 sign(secret, op, segment_id, offset, length, expiry_ms, key))
+    return Grant(
+        op,
+        segment_id,
+        offset,
+        length,
+        expiry_ms,
+        key,
+        sign(secret, op, segment_id, offset, length, expiry_ms, key),
+    )
 
 
 def verify(secret: bytes, grant: Grant) -> bool:

@@ -48,11 +48,23 @@ class _Handler(BaseHTTPRequestHandler):
 class MetricsServer:
     """Serves /metrics and /health on a daemon thread."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: HealthFn,
-                 extra_routes: dict[str, Callable[[], dict[str, Any]]] | None = None) -> None:
-        handler = type("Handler", (_Handler,), {
-            "registry": registry, "health": staticmethod(health), "extra_routes": extra_routes or {},
-        })
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: HealthFn,
+        extra_routes: dict[str, Callable[[], dict[str, Any]]] | None = None,
+    ) -> None:
+        handler = type(
+            "Handler",
+            (_Handler,),
+            {
+                "registry": registry,
+                "health": staticmethod(health),
+                "extra_routes": extra_routes or {},
+            },
+        )
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)

@@ -35,7 +35,7 @@ def page_keys(tokens: Sequence[int], page_size: int, prior: str | None = None) -
     keys: list[str] = []
     prev = bytes.fromhex(prior) if prior else b""
     for start in range(0, len(tokens), page_size):
-        digest = hashlib.sha256(prev + _pack_tokens(tokens[start:start + page_size])).digest()
+        digest = hashlib.sha256(prev + _pack_tokens(tokens[start : start + page_size])).digest()
         keys.append(digest.hex())
         prev = digest
     return keys

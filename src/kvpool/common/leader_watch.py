@@ -155,9 +155,7 @@ def parse_master_address(address: str) -> tuple[Literal["direct"], str] | tuple[
         try:
             return "etcd", _parse_endpoints(rest)
         except KvPoolError as e:
-            raise KvPoolError(
-                ErrorCode.INVALID_ARGUMENT, f"bad master address {address!r}: {e.message}"
-            ) from None
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad master address {address!r}: {e.message}") from None
     bad = KvPoolError(
         ErrorCode.INVALID_ARGUMENT, f"bad master address {address!r}: expected host:port or etcd://h:p,..."
     )
@@ -199,8 +197,9 @@ def etcd_resolver(master: str, cluster: str) -> Callable[[float], str]:
         leader = watch.get() or watch.wait_for_change(None, wait_s)
         address = leader.address("grpc") if leader else None
         if not address:
-            raise KvPoolError(ErrorCode.UNAVAILABLE, f"no master leader in etcd {','.join(endpoints)} "
-                                                     f"(cluster {cluster!r})")
+            raise KvPoolError(
+                ErrorCode.UNAVAILABLE, f"no master leader in etcd {','.join(endpoints)} (cluster {cluster!r})"
+            )
         return address
 
     return resolve

@@ -221,8 +221,9 @@ class OffsetAllocator:
     def check(self) -> None:
         """Raise AssertionError unless free extents and allocations tile ``[0, size)`` exactly."""
         with self._lock:
-            spans = sorted([(s, n, "free") for s, n in self._free.items()]
-                           + [(s, n, "alloc") for s, n in self._alloc.items()])
+            spans = sorted(
+                [(s, n, "free") for s, n in self._free.items()] + [(s, n, "alloc") for s, n in self._alloc.items()]
+            )
             pos = 0
             prev_free = False
             for start, length, kind in spans:

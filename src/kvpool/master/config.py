@@ -18,44 +18,60 @@ class MasterConfig:
     advertise: str = option("", "Host name other machines use to reach this master (default: --host).")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
     etcd: str = option("", "etcd endpoints h1:p1,h2:p2 for high availability; empty = a single master, no etcd.")
-    leader_ttl_s: float = option(3.0, "Lease TTL of the leader key in etcd; a new leader also waits this long "
-                                      "before serving.", parse=parse_duration)
+    leader_ttl_s: float = option(
+        3.0,
+        "Lease TTL of the leader key in etcd; a new leader also waits this long before serving.",
+        parse=parse_duration,
+    )
     num_shards: int = option(1024, "Metadata shards (each with its own lock).")
-    lease_ttl_s: float = option(10.0, "Read lease granted by get-replicas; leased objects are never evicted.",
-                                parse=parse_duration)
-    put_timeout_s: float = option(30.0, "An unfinished put older than this is reclaimed (its writer is gone).",
-                                  parse=parse_duration)
-    store_ttl_s: float = option(10.0, "A store silent for this long is expired and its replicas dropped.",
-                                parse=parse_duration)
-    placement: str = option("free_ratio_first", "Placement policy.",
-                            choices=("free_ratio_first", "random", "local_first"))
+    lease_ttl_s: float = option(
+        10.0, "Read lease granted by get-replicas; leased objects are never evicted.", parse=parse_duration
+    )
+    put_timeout_s: float = option(
+        30.0, "An unfinished put older than this is reclaimed (its writer is gone).", parse=parse_duration
+    )
+    store_ttl_s: float = option(
+        10.0, "A store silent for this long is expired and its replicas dropped.", parse=parse_duration
+    )
+    placement: str = option(
+        "free_ratio_first", "Placement policy.", choices=("free_ratio_first", "random", "local_first")
+    )
     eviction: str = option("lru", "Eviction policy.", choices=("lru", "fifo"))
     default_replica_num: int = option(1, "Replicas per object when the client does not say.")
     eviction_high_watermark: float = option(0.90, "Start evicting when this fraction of the pool is used.")
     eviction_target: float = option(0.85, "Evict down to this fraction of the pool.")
-    eviction_sample_factor: int = option(8, "Approximate LRU: scan this many candidates per object to evict "
-                                            "(0 = scan every object).")
-    eviction_interval_s: float = option(0.05, "How often the eviction thread checks the watermark.",
-                                        parse=parse_duration)
+    eviction_sample_factor: int = option(
+        8, "Approximate LRU: scan this many candidates per object to evict (0 = scan every object)."
+    )
+    eviction_interval_s: float = option(
+        0.05, "How often the eviction thread checks the watermark.", parse=parse_duration
+    )
     soft_pin_ttl_s: float = option(1800.0, "Default soft-pin TTL.", parse=parse_duration)
     allow_evict_soft_pinned: bool = option(True, "Evict soft-pinned objects as a last resort.")
     max_key_bytes: int = option(512, "Longest key accepted (UTF-8 bytes).")
     max_object_bytes: int = option(1 << 30, "Largest object accepted.", parse=parse_size)
     max_batch: int = option(8192, "Most keys in one batch call.")
-    token_file: str = option("", "File holding the cluster token (required on every call when set).",
-                             env=envs.KVPOOL_TOKEN_FILE)
+    token_file: str = option(
+        "", "File holding the cluster token (required on every call when set).", env=envs.KVPOOL_TOKEN_FILE
+    )
     tls_cert: str = option("", "PEM certificate: serve gRPC over TLS only (with --tls-key).")
     tls_key: str = option("", "PEM private key of --tls-cert.")
     # SSD tier (docs/ssd-tier.md); these only matter once a store mounts an SSD tier.
-    ssd_high_watermark: float = option(0.95, "Start dropping least recently used SSD replicas when this "
-                                             "fraction of a store's SSD tier is used.")
+    ssd_high_watermark: float = option(
+        0.95,
+        "Start dropping least recently used SSD replicas when this fraction of a store's SSD tier is used.",
+    )
     ssd_eviction_target: float = option(0.90, "Drop SSD replicas down to this fraction of the SSD tier.")
-    promote_after_hits: int = option(2, "Copy an SSD-only object back to DRAM after this many reads "
-                                        "(0 = never promote).")
-    demote_max_pending: float = option(0.25, "Most DRAM (fraction of the pool) waiting to be demoted; past it "
-                                             "eviction drops instead of demoting.")
-    tier_task_timeout_s: float = option(30.0, "A demote/promote task not reported done after this long is "
-                                              "abandoned.", parse=parse_duration)
+    promote_after_hits: int = option(
+        2, "Copy an SSD-only object back to DRAM after this many reads (0 = never promote)."
+    )
+    demote_max_pending: float = option(
+        0.25,
+        "Most DRAM (fraction of the pool) waiting to be demoted; past it eviction drops instead of demoting.",
+    )
+    tier_task_timeout_s: float = option(
+        30.0, "A demote/promote task not reported done after this long is abandoned.", parse=parse_duration
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.eviction_target <= self.eviction_high_watermark <= 1.0:

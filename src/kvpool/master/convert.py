@@ -11,8 +11,15 @@ from kvpool.proto import master_pb2 as pb
 
 def segment_spec(seg: pb.SegmentInfo, secret: bytes) -> st.SegmentSpec:
     return st.SegmentSpec(
-        id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
-        shm_path=seg.shm_path, secret=secret, rdma_desc=seg.rdma_desc, numa_node=seg.numa_node,
+        id=seg.id,
+        node=seg.node,
+        store_id=seg.store_id,
+        size=seg.size,
+        tcp_endpoint=seg.tcp_endpoint,
+        shm_path=seg.shm_path,
+        secret=secret,
+        rdma_desc=seg.rdma_desc,
+        numa_node=seg.numa_node,
         tier=seg.tier,
     )
 
@@ -23,24 +30,43 @@ def inventory(entries: Sequence[pb.InventoryEntry]) -> list[st.InventoryItem]:
 
 def put_options(cfg: pb.PutConfig) -> st.PutOptions:
     return st.PutOptions(
-        replica_num=cfg.replica_num, hard_pin=cfg.hard_pin, soft_pin_ttl_s=cfg.soft_pin_ttl_ms / 1000.0,
+        replica_num=cfg.replica_num,
+        hard_pin=cfg.hard_pin,
+        soft_pin_ttl_s=cfg.soft_pin_ttl_ms / 1000.0,
         preferred_segments=tuple(int(s) for s in cfg.preferred_segments if s.isdigit()),
-        preferred_node=cfg.preferred_node, writer_node=cfg.writer_node,
+        preferred_node=cfg.preferred_node,
+        writer_node=cfg.writer_node,
     )
 
 
 def replica(r: st.ReplicaGrant) -> pb.ReplicaDescriptor:
     return pb.ReplicaDescriptor(
-        segment_id=r.segment_id, node=r.node, tcp_endpoint=r.tcp_endpoint, shm_path=r.shm_path,
-        offset=r.offset, length=r.length, expiry_ms=r.expiry_ms, mac=r.mac, tier=r.tier,
+        segment_id=r.segment_id,
+        node=r.node,
+        tcp_endpoint=r.tcp_endpoint,
+        shm_path=r.shm_path,
+        offset=r.offset,
+        length=r.length,
+        expiry_ms=r.expiry_ms,
+        mac=r.mac,
+        tier=r.tier,
     )
 
 
 def fill_replicas(out: Any, replicas: Sequence[st.ReplicaGrant]) -> None:
     """Append replica descriptors in place (``repeated.add``: no intermediate message to copy)."""
     for r in replicas:
-        out.add(segment_id=r.segment_id, node=r.node, tcp_endpoint=r.tcp_endpoint, shm_path=r.shm_path,
-                offset=r.offset, length=r.length, expiry_ms=r.expiry_ms, mac=r.mac, tier=r.tier)
+        out.add(
+            segment_id=r.segment_id,
+            node=r.node,
+            tcp_endpoint=r.tcp_endpoint,
+            shm_path=r.shm_path,
+            offset=r.offset,
+            length=r.length,
+            expiry_ms=r.expiry_ms,
+            mac=r.mac,
+            tier=r.tier,
+        )
 
 
 def fill_put_start_results(out: Any, results: Sequence[st.PutStartResult]) -> None:

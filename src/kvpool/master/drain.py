@@ -117,10 +117,17 @@ class DrainJob:
         return "drain:" + self.node
 
     def to_doc(self) -> dict[str, Any]:
-        return {"node": self.node, "remove": self.remove, "state": self.state, "started_ms": self.started_ms,
-                "finished_ms": self.finished_ms, "objects_moved": self.objects_moved,
-                "bytes_moved": self.bytes_moved, "failures": self.failures,
-                "removed_stores": list(self.removed_stores)}
+        return {
+            "node": self.node,
+            "remove": self.remove,
+            "state": self.state,
+            "started_ms": self.started_ms,
+            "finished_ms": self.finished_ms,
+            "objects_moved": self.objects_moved,
+            "bytes_moved": self.bytes_moved,
+            "failures": self.failures,
+            "removed_stores": list(self.removed_stores),
+        }
 
     @classmethod
     def from_doc(cls, name: str, doc: dict[str, Any]) -> DrainJob:
@@ -130,12 +137,18 @@ class DrainJob:
 
         stores = doc.get("removed_stores", [])
         state = str(doc.get("state", RUNNING))
-        return cls(node=name, started_ms=num("started_ms"), remove=bool(doc.get("remove", False)),
-                   finished_ms=num("finished_ms"), objects_moved=num("objects_moved"),
-                   bytes_moved=num("bytes_moved"), failures=num("failures"),
-                   removed_stores=[str(s) for s in stores] if isinstance(stores, list) else [],
-                   state=state if state in (RUNNING, STALLED, WAITING, DRAINED, REMOVED) else RUNNING,
-                   dirty=False)
+        return cls(
+            node=name,
+            started_ms=num("started_ms"),
+            remove=bool(doc.get("remove", False)),
+            finished_ms=num("finished_ms"),
+            objects_moved=num("objects_moved"),
+            bytes_moved=num("bytes_moved"),
+            failures=num("failures"),
+            removed_stores=[str(s) for s in stores] if isinstance(stores, list) else [],
+            state=state if state in (RUNNING, STALLED, WAITING, DRAINED, REMOVED) else RUNNING,
+            dirty=False,
+        )
 
 
 @dataclass(frozen=True)
@@ -187,8 +200,12 @@ class RebalanceStatus:
 class DrainManager:
     """Drain, scale-in and rebalance jobs of one master; see the module docstring."""
 
-    def __init__(self, state: MasterState, serving: Callable[[], bool] = lambda: True,
-                 max_per_store: int = MAX_IN_FLIGHT_PER_STORE) -> None:
+    def __init__(
+        self,
+        state: MasterState,
+        serving: Callable[[], bool] = lambda: True,
+        max_per_store: int = MAX_IN_FLIGHT_PER_STORE,
+    ) -> None:
         self._serving = serving
         self._max_per_store = max_per_store
         self._plan_lock = threading.RLock()
@@ -289,11 +306,21 @@ class DrainManager:
             status = self._status_of(job, segments)
         if self._intents is not None:
             self._intents.delete(INTENT_KIND, node)
-        log.info("drain of %s cancelled: %d segments back to OK, %d queued moves revoked", node, len(ids),
-                 revoked)
-        return DrainStatus(status.node, CANCELLED, status.objects_moved, status.bytes_moved,
-                           status.objects_remaining, status.bytes_remaining, status.in_flight, status.seconds,
-                           f"{len(ids)} segments back to OK", status.segment_ids, status.failures, job.remove)
+        log.info("drain of %s cancelled: %d segments back to OK, %d queued moves revoked", node, len(ids), revoked)
+        return DrainStatus(
+            status.node,
+            CANCELLED,
+            status.objects_moved,
+            status.bytes_moved,
+            status.objects_remaining,
+            status.bytes_remaining,
+            status.in_flight,
+            status.seconds,
+            f"{len(ids)} segments back to OK",
+            status.segment_ids,
+            status.failures,
+            job.remove,
+        )
 
     # Status reads take no planner lock: they run on the service's loop (and the metrics thread) and must
     # not wait behind a planning pass. A job's fields are read racily: fine for progress reports.
@@ -325,9 +352,16 @@ class DrainManager:
         if rb is None:
             return RebalanceStatus("IDLE")
         end = rb.finished or self.state._clock.monotonic()
-        return RebalanceStatus(rb.state, rb.objects_moved, rb.bytes_moved,
-                               self.engine.in_flight(REBALANCE_JOB), rb.spread, end - rb.started, rb.message,
-                               rb.planned)
+        return RebalanceStatus(
+            rb.state,
+            rb.objects_moved,
+            rb.bytes_moved,
+            self.engine.in_flight(REBALANCE_JOB),
+            rb.spread,
+            end - rb.started,
+            rb.message,
+            rb.planned,
+        )
 
     # =================================================================== stores
 
@@ -361,8 +395,12 @@ class DrainManager:
 
     def active(self) -> bool:
         rb = self._rebalance
-        return bool(self.jobs) or (rb is not None and rb.state == RUNNING) or self.engine.in_flight() > 0 \
+        return (
+            bool(self.jobs)
+            or (rb is not None and rb.state == RUNNING)
+            or self.engine.in_flight() > 0
             or self.engine.retiring() > 0
+        )
 
     def tick(self) -> None:
         """One controller step: free due ranges, abandon expired moves, advance every job, persist."""
@@ -427,8 +465,13 @@ class DrainManager:
     def _finish(self, job: DrainJob, segments: list[Segment]) -> None:
         if not job.finished_ms:
             job.finished_ms = self.state._clock.wall_ms()
-            log.info("drain of %s done: %d objects (%d bytes) moved in %.1f s", job.node, job.objects_moved,
-                     job.bytes_moved, (job.finished_ms - job.started_ms) / 1000)
+            log.info(
+                "drain of %s done: %d objects (%d bytes) moved in %.1f s",
+                job.node,
+                job.objects_moved,
+                job.bytes_moved,
+                (job.finished_ms - job.started_ms) / 1000,
+            )
         self._set_state(job, DRAINED)
         # Scale-in: unmount only once each store has applied every free notification, so that its inventory
         # is empty; otherwise a store that keeps running would re-mount with stale entries.
@@ -447,8 +490,10 @@ class DrainManager:
             plan = self.engine.plan_moves(slots, draining, job=job.key, max_objects=OBJECTS_PER_TICK)
         else:  # nowhere to go: every object left is "without room"
             segs = [s for s in self._segments_of(job) if s.id in draining]
-            plan = MovePlan(no_room=sum(s.allocator.allocations for s in segs),
-                            no_room_bytes=sum(s.allocator.used for s in segs))
+            plan = MovePlan(
+                no_room=sum(s.allocator.allocations for s in segs),
+                no_room_bytes=sum(s.allocator.used for s in segs),
+            )
         if plan.retired:
             with self._lock:
                 job.objects_moved += plan.retired
@@ -486,10 +531,20 @@ class DrainManager:
         end = job.finished_ms or self.state._clock.wall_ms()
         with self._lock:
             moved, moved_bytes, failures = job.objects_moved, job.bytes_moved, job.failures
-        return DrainStatus(job.node, job.state, moved, moved_bytes,
-                           sum(s.allocator.allocations for s in live), sum(s.allocator.used for s in live),
-                           self.engine.in_flight(job.key), max(0.0, (end - job.started_ms) / 1000.0),
-                           job.message, tuple(s.id for s in segments), failures, job.remove)
+        return DrainStatus(
+            job.node,
+            job.state,
+            moved,
+            moved_bytes,
+            sum(s.allocator.allocations for s in live),
+            sum(s.allocator.used for s in live),
+            self.engine.in_flight(job.key),
+            max(0.0, (end - job.started_ms) / 1000.0),
+            job.message,
+            tuple(s.id for s in segments),
+            failures,
+            job.remove,
+        )
 
     def _account(self, outcomes: Iterable[MoveOutcome]) -> None:
         with self._lock:
@@ -527,11 +582,21 @@ class DrainManager:
                 reason = "within tolerance" if not budget else f"max moves ({rb.planned}) reached"
                 self._end_rebalance(rb, reason)
             return
-        slots = min(PLAN_PER_TICK, rb.max_moves - rb.planned,
-                    len({s.store_id for s in self.state._table.allocatable if s.id in targets})
-                    * self._max_per_store - self.engine.in_flight())
-        plan = self.engine.plan_moves(slots, set(budget), job=REBALANCE_JOB, targets=targets, budget=budget,
-                                      retire_redundant=False, max_objects=OBJECTS_PER_TICK)
+        slots = min(
+            PLAN_PER_TICK,
+            rb.max_moves - rb.planned,
+            len({s.store_id for s in self.state._table.allocatable if s.id in targets}) * self._max_per_store
+            - self.engine.in_flight(),
+        )
+        plan = self.engine.plan_moves(
+            slots,
+            set(budget),
+            job=REBALANCE_JOB,
+            targets=targets,
+            budget=budget,
+            retire_redundant=False,
+            max_objects=OBJECTS_PER_TICK,
+        )
         rb.planned += len(plan.tasks)
         rb.idle_shards = 0 if plan.tasks else rb.idle_shards + plan.scanned_shards
         if not in_flight and rb.idle_shards >= self.state._shards.num_shards:
@@ -540,15 +605,21 @@ class DrainManager:
     def _rebalance_loads(self) -> list[SegmentLoad]:
         """The OK DRAM segments outside every drain job."""
         drained = {s.id for job in self.jobs.values() for s in self._segments_of(job)}
-        return [SegmentLoad(s.id, s.size, s.allocator.used) for s in self.state._table.allocatable
-                if s.id not in drained]
+        return [
+            SegmentLoad(s.id, s.size, s.allocator.used) for s in self.state._table.allocatable if s.id not in drained
+        ]
 
     def _end_rebalance(self, rb: _Rebalance, reason: str) -> None:
         rb.state = "DONE"
         rb.message = reason
         rb.finished = self.state._clock.monotonic()
-        log.info("rebalance done (%s): %d objects (%d bytes) moved, spread %.3f", reason, rb.objects_moved,
-                 rb.bytes_moved, rb.spread)
+        log.info(
+            "rebalance done (%s): %d objects (%d bytes) moved, spread %.3f",
+            reason,
+            rb.objects_moved,
+            rb.bytes_moved,
+            rb.spread,
+        )
 
     # =================================================================== internals: persistence
 
@@ -558,8 +629,9 @@ class DrainManager:
         try:
             self._intents.put(INTENT_KIND, job.node, job.to_doc())
         except KvPoolError as exc:
-            raise KvPoolError(ErrorCode.ETCD_ERROR, f"cannot record the drain of {job.node} in etcd: "
-                                                    f"{exc.message}") from exc
+            raise KvPoolError(
+                ErrorCode.ETCD_ERROR, f"cannot record the drain of {job.node} in etcd: {exc.message}"
+            ) from exc
         job.dirty = False
         job.persisted_at = time.monotonic()
 
@@ -604,12 +676,15 @@ class _DrainCollector(Collector):
 
     def collect(self) -> Any:
         manager = self._manager
-        moved = CounterMetricFamily("kvpool_drain_objects_moved", "Objects moved off draining segments",
-                                    labels=["node"])
-        moved_bytes = CounterMetricFamily("kvpool_drain_bytes_moved", "Bytes moved off draining segments",
-                                          labels=["node"])
-        remaining = GaugeMetricFamily("kvpool_drain_remaining_objects",
-                                      "Allocations still on a drain job's segments", labels=["node"])
+        moved = CounterMetricFamily(
+            "kvpool_drain_objects_moved", "Objects moved off draining segments", labels=["node"]
+        )
+        moved_bytes = CounterMetricFamily(
+            "kvpool_drain_bytes_moved", "Bytes moved off draining segments", labels=["node"]
+        )
+        remaining = GaugeMetricFamily(
+            "kvpool_drain_remaining_objects", "Allocations still on a drain job's segments", labels=["node"]
+        )
         in_flight = GaugeMetricFamily("kvpool_drain_moves_in_flight", "Moves planned and not finished")
         try:
             statuses = manager.statuses() if manager.loaded else []
@@ -629,8 +704,7 @@ class _DrainCollector(Collector):
 class DrainController(threading.Thread):
     """Runs ``DrainManager.tick`` often while there is work, rarely when idle."""
 
-    def __init__(self, manager: DrainManager, busy_interval_s: float = 0.02,
-                 idle_interval_s: float = 0.5) -> None:
+    def __init__(self, manager: DrainManager, busy_interval_s: float = 0.02, idle_interval_s: float = 0.5) -> None:
         super().__init__(name="drain-controller", daemon=True)
         self.manager = manager
         self._busy = busy_interval_s

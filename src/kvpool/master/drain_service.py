@@ -28,15 +28,23 @@ class DrainRpc:
         self._status = status
 
     def methods(self) -> dict[str, Callable[[Any], Any]]:
-        return {"SyncMoves": self.sync_moves, "Drain": self.drain, "Undrain": self.undrain,
-                "DrainStatus": self.drain_status, "Rebalance": self.rebalance,
-                "RebalanceStatus": self.rebalance_status}
+        return {
+            "SyncMoves": self.sync_moves,
+            "Drain": self.drain,
+            "Undrain": self.undrain,
+            "DrainStatus": self.drain_status,
+            "Rebalance": self.rebalance,
+            "RebalanceStatus": self.rebalance_status,
+        }
 
     def sync_moves(self, req: pb.SyncMovesRequest) -> pb.SyncMovesResponse:
         results = [(r.task_id, as_code(r.code)) for r in req.results]
         tasks = self.drains.sync(req.store_id, results, req.max_tasks)
-        return pb.SyncMovesResponse(status=self._status(), tasks=[move_task(t) for t in tasks],
-                                    pending=self.drains.pending_for(req.store_id))
+        return pb.SyncMovesResponse(
+            status=self._status(),
+            tasks=[move_task(t) for t in tasks],
+            pending=self.drains.pending_for(req.store_id),
+        )
 
     def drain(self, req: pb.DrainRequest) -> pb.DrainStatusResponse:
         return self._jobs([self.drains.start(req.node, req.remove)])
@@ -60,18 +68,41 @@ class DrainRpc:
 
     def _rebalance(self, s: RebalanceStatus) -> pb.RebalanceStatusResponse:
         return pb.RebalanceStatusResponse(
-            status=self._status(), state=s.state, objects_moved=s.objects_moved, bytes_moved=s.bytes_moved,
-            in_flight=s.in_flight, spread=s.spread, seconds=s.seconds, message=s.message, planned=s.planned)
+            status=self._status(),
+            state=s.state,
+            objects_moved=s.objects_moved,
+            bytes_moved=s.bytes_moved,
+            in_flight=s.in_flight,
+            spread=s.spread,
+            seconds=s.seconds,
+            message=s.message,
+            planned=s.planned,
+        )
 
 
 def move_task(t: MoveTask) -> pb.MoveTask:
-    return pb.MoveTask(task_id=t.task_id, key=t.key, size=t.size, checksum=t.checksum,
-                       source=convert.replica(t.source), target=convert.replica(t.target))
+    return pb.MoveTask(
+        task_id=t.task_id,
+        key=t.key,
+        size=t.size,
+        checksum=t.checksum,
+        source=convert.replica(t.source),
+        target=convert.replica(t.target),
+    )
 
 
 def job_status(s: DrainStatus) -> pb.DrainJobStatus:
     return pb.DrainJobStatus(
-        node=s.node, state=s.state, objects_moved=s.objects_moved, bytes_moved=s.bytes_moved,
-        objects_remaining=s.objects_remaining, bytes_remaining=s.bytes_remaining, in_flight=s.in_flight,
-        seconds=s.seconds, message=s.message, segment_ids=list(s.segment_ids), failures=s.failures,
-        remove=s.remove)
+        node=s.node,
+        state=s.state,
+        objects_moved=s.objects_moved,
+        bytes_moved=s.bytes_moved,
+        objects_remaining=s.objects_remaining,
+        bytes_remaining=s.bytes_remaining,
+        in_flight=s.in_flight,
+        seconds=s.seconds,
+        message=s.message,
+        segment_ids=list(s.segment_ids),
+        failures=s.failures,
+        remove=s.remove,
+    )

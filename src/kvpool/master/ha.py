@@ -52,8 +52,15 @@ class HaCoordinator:
 
     async def start(self) -> None:
         info = {"id": self.id, **self.server.endpoints}
-        self._elector = LeaderElector(self.etcd, self.config.cluster, info, ttl_s=self.config.leader_ttl_s,
-                                      on_elected=self._on_elected, on_deposed=self._on_deposed, name=self.id)
+        self._elector = LeaderElector(
+            self.etcd,
+            self.config.cluster,
+            info,
+            ttl_s=self.config.leader_ttl_s,
+            on_elected=self._on_elected,
+            on_deposed=self._on_deposed,
+            name=self.id,
+        )
         self.server.role.elector = self._elector
         self.server.handlers.drains.attach_intents(self.intents)  # drain jobs are durable intents
         self.server.reset_state()
@@ -70,8 +77,11 @@ class HaCoordinator:
         self.etcd.put(self._members_prefix + self.id, json.dumps(self.server.endpoints), lease=lease)
 
     def _on_elected(self, view: int) -> None:
-        log.info("elected leader with view %d (%d objects rebuilt from the stores during warm-up)", view,
-                 self.server.state.stats().objects)
+        log.info(
+            "elected leader with view %d (%d objects rebuilt from the stores during warm-up)",
+            view,
+            self.server.state.stats().objects,
+        )
         self.server.role.leader = ""
         threading.Thread(target=self._record_cluster_config, daemon=True).start()
         # Unfinished drains carry on: their segments turn DRAINING as the stores re-mount.
@@ -83,15 +93,18 @@ class HaCoordinator:
 
     def _record_cluster_config(self) -> None:
         """The cluster config is a durable intent: the first leader writes it, later ones check it."""
-        doc = {"num_shards": self.config.num_shards, "lease_ttl_s": self.config.lease_ttl_s,
-               "store_ttl_s": self.config.store_ttl_s, "placement": self.config.placement}
+        doc = {
+            "num_shards": self.config.num_shards,
+            "lease_ttl_s": self.config.lease_ttl_s,
+            "store_ttl_s": self.config.store_ttl_s,
+            "placement": self.config.placement,
+        }
         try:
             existing = self.intents.get("config", "cluster")
             if existing is None:
                 self.intents.create("config", "cluster", doc)
             elif existing.doc != doc:
-                log.warning("this master's config %s differs from the cluster's recorded config %s", doc,
-                            existing.doc)
+                log.warning("this master's config %s differs from the cluster's recorded config %s", doc, existing.doc)
         except (KvPoolError, AttributeError) as exc:
             log.warning("cannot record the cluster config in etcd: %s", exc)
 
@@ -131,5 +144,8 @@ def leader_summary(etcd_endpoints: str, cluster: str) -> dict[str, Any]:
         leader = parse_leader(etcd.get(leader_key(cluster)))
         members = [json.loads(kv.value) for kv in etcd.get_prefix(cluster_prefix(cluster) + "masters/")]
     grpc_leader = leader.address("grpc") if leader else None
-    return {"leader": grpc_leader, "view": leader.view if leader else 0,
-            "followers": sorted(m.get("grpc", "") for m in members if m.get("grpc") != grpc_leader)}
+    return {
+        "leader": grpc_leader,
+        "view": leader.view if leader else 0,
+        "followers": sorted(m.get("grpc", "") for m in members if m.get("grpc") != grpc_leader),
+    }

@@ -88,9 +88,7 @@ class IntentStore:
 
         Returns the new revision, or None if the compare failed (re-read with :meth:`get` and retry).
         """
-        ok, revision, _ = self._etcd.put_if_mod_revision(
-            self.key(kind, name), expected_revision, _encode(doc)
-        )
+        ok, revision, _ = self._etcd.put_if_mod_revision(self.key(kind, name), expected_revision, _encode(doc))
         return revision if ok else None
 
     def get(self, kind: str, name: str) -> Intent | None:

@@ -268,9 +268,7 @@ class LeaderElector:
             revision,
             lease,
             keeper.ttl,
-            "previous leader resigned: serving now"
-            if vacant is not None
-            else f"warming up for {warmup:.0f}s",
+            "previous leader resigned: serving now" if vacant is not None else f"warming up for {warmup:.0f}s",
         )
 
     def _warmup_step(self) -> None:
@@ -359,9 +357,7 @@ class LeaderElector:
                 # Only if the key is still ours: the compare is on the mod_revision of our winning write.
                 self._etcd.put_if_mod_revision(self._key, view, vacancy_value(view), 0)
             except KvPoolError as e:
-                log.warning(
-                    "elector %s: could not publish the vacancy (%s); the lease will expire", self._name, e
-                )
+                log.warning("elector %s: could not publish the vacancy (%s); the lease will expire", self._name, e)
         keeper.stop(revoke=True)  # deletes the key if it is still bound to our lease
 
     def _owns(self, kv: KeyValue | None) -> bool:

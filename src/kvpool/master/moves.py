@@ -151,8 +151,9 @@ class _Move:
     delivered: bool = False
 
 
-def rebalance_budget(segments: Iterable[SegmentLoad], tolerance: float,
-                     outgoing: Mapping[int, int] | None = None) -> tuple[dict[int, int], set[int], float]:
+def rebalance_budget(
+    segments: Iterable[SegmentLoad], tolerance: float, outgoing: Mapping[int, int] | None = None
+) -> tuple[dict[int, int], set[int], float]:
     """Which segments shed how many bytes, and which receive, to bring used fractions within ``tolerance``.
 
     Returns (bytes to shed per source segment, target segment ids, spread = max - min used fraction).
@@ -181,8 +182,12 @@ def rebalance_budget(segments: Iterable[SegmentLoad], tolerance: float,
 class MoveEngine:
     """Plans, hands out and finishes moves on one MasterState; see the module docstring."""
 
-    def __init__(self, state: MasterState, timeout_s: float = MOVE_TIMEOUT_S,
-                 max_per_store: int = MAX_IN_FLIGHT_PER_STORE) -> None:
+    def __init__(
+        self,
+        state: MasterState,
+        timeout_s: float = MOVE_TIMEOUT_S,
+        max_per_store: int = MAX_IN_FLIGHT_PER_STORE,
+    ) -> None:
         self.state = state
         self.timeout_s = timeout_s
         self.max_per_store = max_per_store
@@ -208,10 +213,18 @@ class MoveEngine:
 
     # =================================================================== planning
 
-    def plan_moves(self, limit: int, source_segments: Collection[int], *, job: str = "",
-                   targets: Collection[int] | None = None, budget: dict[int, int] | None = None,
-                   retire_redundant: bool = True, max_shards: int | None = None,
-                   max_objects: int | None = None) -> MovePlan:
+    def plan_moves(
+        self,
+        limit: int,
+        source_segments: Collection[int],
+        *,
+        job: str = "",
+        targets: Collection[int] | None = None,
+        budget: dict[int, int] | None = None,
+        retire_redundant: bool = True,
+        max_shards: int | None = None,
+        max_objects: int | None = None,
+    ) -> MovePlan:
         """Start up to ``limit`` moves of objects with a COMPLETE replica on a ``source_segments`` segment.
 
         ``targets`` restricts the target segments (rebalance); ``budget`` (source id -> bytes, decremented
@@ -253,8 +266,16 @@ class MoveEngine:
         self._cursors[job] = (cursor + max(plan.scanned_shards - 1, 0)) % nshards
         return plan
 
-    def _plan_one(self, key: str, sources: frozenset[int], job: str, targets: Collection[int] | None,
-                  budget: dict[int, int] | None, retire_redundant: bool, plan: MovePlan) -> None:
+    def _plan_one(
+        self,
+        key: str,
+        sources: frozenset[int],
+        job: str,
+        targets: Collection[int] | None,
+        budget: dict[int, int] | None,
+        retire_redundant: bool,
+        plan: MovePlan,
+    ) -> None:
         kb = key.encode()
         shard = self._shards.shard_of(kb)
         by_id = self._table.by_id
@@ -270,10 +291,13 @@ class MoveEngine:
                 size, checksum = meta.size, meta.checksum
                 holding = {r.segment_id for r in replicas}
                 # Another complete replica on an OK segment (not one being drained by another job).
-                redundant = any(r.complete and r.segment_id not in sources
-                                and (s := by_id.get(r.segment_id)) is not None
-                                and s.status == SegmentStatus.OK
-                                for r in replicas)
+                redundant = any(
+                    r.complete
+                    and r.segment_id not in sources
+                    and (s := by_id.get(r.segment_id)) is not None
+                    and s.status == SegmentStatus.OK
+                    for r in replicas
+                )
             # An SSD copy is the tier's cache of a DRAM object, not a replica the writer asked for: once the
             # object lives elsewhere (its DRAM replica was moved first), the SSD copy is only retired.
             if retire_redundant and redundant and _tier(by_id.get(source.segment_id)):
@@ -296,9 +320,14 @@ class MoveEngine:
             target, target_offset = placed
             src_seg = by_id.get(source.segment_id)
             with shard.lock:
-                ok = (shard.objects.get(key) is meta and _movable(meta, sources) and not target.removed
-                      and src_seg is not None and not src_seg.removed
-                      and any(r == source for r in meta.replica_list()))
+                ok = (
+                    shard.objects.get(key) is meta
+                    and _movable(meta, sources)
+                    and not target.removed
+                    and src_seg is not None
+                    and not src_seg.removed
+                    and any(r == source for r in meta.replica_list())
+                )
                 if ok:
                     meta.add_replica(target.id, target_offset, False)
             if not ok or src_seg is None:
@@ -306,17 +335,16 @@ class MoveEngine:
                 return
         if budget is not None:
             budget[source.segment_id] = budget.get(source.segment_id, 0) - size
-        plan.tasks.append(self._register(key, kb, size, checksum, src_seg, source.offset, target,
-                                         target_offset, job))
+        plan.tasks.append(self._register(key, kb, size, checksum, src_seg, source.offset, target, target_offset, job))
 
-    def _allocate_target(self, size: int, exclude: Collection[int],
-                         targets: Collection[int] | None) -> tuple[Segment, int] | object | None:
+    def _allocate_target(
+        self, size: int, exclude: Collection[int], targets: Collection[int] | None
+    ) -> tuple[Segment, int] | object | None:
         """A range on an OK segment the placement policy prefers, on a store with a free move slot;
         ``_BUSY`` when no free store has room but a store at its limit may have; None when none has."""
         with self._lock:
             busy = {s for s, n in self._per_store.items() if n >= self.max_per_store}
-        eligible = [s for s in self._table.allocatable
-                    if s.id not in exclude and (targets is None or s.id in targets)]
+        eligible = [s for s in self._table.allocatable if s.id not in exclude and (targets is None or s.id in targets)]
         candidates = [s for s in eligible if s.store_id not in busy]
         waiting = len(candidates) < len(eligible)
         if not candidates:
@@ -332,19 +360,50 @@ class MoveEngine:
                 return seg, offset
         return _BUSY if waiting else None
 
-    def _register(self, key: str, kb: bytes, size: int, checksum: int, source: Segment, source_offset: int,
-                  target: Segment, target_offset: int, job: str) -> MoveTask:
+    def _register(
+        self,
+        key: str,
+        kb: bytes,
+        size: int,
+        checksum: int,
+        source: Segment,
+        source_offset: int,
+        target: Segment,
+        target_offset: int,
+        job: str,
+    ) -> MoveTask:
         now = self._clock.monotonic()
         expiry_ms = self._clock.wall_ms() + int(self.timeout_s * 1000)
         task_id = next(self._ids)
         task = MoveTask(
-            task_id, key, size, checksum,
-            ReplicaGrant(source.id, source.node, source.tcp_endpoint, source.shm_path, source_offset, size,
-                         expiry_ms, source.sign(_READ, source_offset, size, expiry_ms, kb),
-                         tier=_tier(source)),
-            ReplicaGrant(target.id, target.node, target.tcp_endpoint, target.shm_path, target_offset, size,
-                         expiry_ms, target.sign(_WRITE, target_offset, size, expiry_ms, kb)),
-            target.store_id, job)
+            task_id,
+            key,
+            size,
+            checksum,
+            ReplicaGrant(
+                source.id,
+                source.node,
+                source.tcp_endpoint,
+                source.shm_path,
+                source_offset,
+                size,
+                expiry_ms,
+                source.sign(_READ, source_offset, size, expiry_ms, kb),
+                tier=_tier(source),
+            ),
+            ReplicaGrant(
+                target.id,
+                target.node,
+                target.tcp_endpoint,
+                target.shm_path,
+                target_offset,
+                size,
+                expiry_ms,
+                target.sign(_WRITE, target_offset, size, expiry_ms, kb),
+            ),
+            target.store_id,
+            job,
+        )
         move = _Move(task, source, source_offset, target, target_offset, now + self.timeout_s)
         with self._lock:
             self._moves[task_id] = move
@@ -480,8 +539,7 @@ class MoveEngine:
             _dec(self._outgoing, move.source.id, task.size)
             return move
 
-    def _complete(self, move: _Move, ok: bool, target_free_at: float | None,
-                  backoff: bool = True) -> MoveOutcome:
+    def _complete(self, move: _Move, ok: bool, target_free_at: float | None, backoff: bool = True) -> MoveOutcome:
         """Apply one finished (or failed) move to its object, under the object's stripe."""
         task = move.task
         key = task.key
@@ -497,8 +555,11 @@ class MoveEngine:
                 found = meta is not None and target_entry in replicas and not move.target.removed
                 if found and meta is not None:
                     if ok:
-                        keep = [Replica(r.segment_id, r.offset, ReplicaStatus.COMPLETE) if r == target_entry
-                                else r for r in replicas if r != source_entry]
+                        keep = [
+                            Replica(r.segment_id, r.offset, ReplicaStatus.COMPLETE) if r == target_entry else r
+                            for r in replicas
+                            if r != source_entry
+                        ]
                         retire_source = len(keep) < len(replicas)
                         lease_until = meta.lease_until
                     else:
@@ -561,12 +622,19 @@ def _movable(meta: ObjectMeta, sources: frozenset[int]) -> bool:
     return extra is not None and any(r.segment_id in sources for r in meta.replica_list())
 
 
-def _pick_source(replicas: list[Replica], sources: frozenset[int], budget: dict[int, int] | None,
-                 by_id: Mapping[int, Segment]) -> Replica | None:
+def _pick_source(
+    replicas: list[Replica],
+    sources: frozenset[int],
+    budget: dict[int, int] | None,
+    by_id: Mapping[int, Segment],
+) -> Replica | None:
     """The complete replica on a source segment to copy from: a DRAM one first (faster to read, and the SSD
     copy is then merely retired)."""
-    found = [r for r in replicas if r.complete and r.segment_id in sources
-             and (budget is None or budget.get(r.segment_id, 0) > 0)]
+    found = [
+        r
+        for r in replicas
+        if r.complete and r.segment_id in sources and (budget is None or budget.get(r.segment_id, 0) > 0)
+    ]
     found.sort(key=lambda r: _tier(by_id.get(r.segment_id)))
     return found[0] if found else None
 

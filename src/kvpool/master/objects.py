@@ -80,8 +80,11 @@ def pack_replica(segment_id: int, offset: int, complete: bool) -> int:
 
 
 def unpack_replica(packed: int) -> Replica:
-    return Replica(packed >> SEGMENT_SHIFT, (packed >> 1) & MAX_OFFSET,
-                   ReplicaStatus.COMPLETE if packed & 1 else ReplicaStatus.PROCESSING)
+    return Replica(
+        packed >> SEGMENT_SHIFT,
+        (packed >> 1) & MAX_OFFSET,
+        ReplicaStatus.COMPLETE if packed & 1 else ReplicaStatus.PROCESSING,
+    )
 
 
 class ObjectMeta:
@@ -153,8 +156,11 @@ class ObjectMeta:
 
     def replica_list(self) -> list[Replica]:
         """Every replica, the inline one first."""
-        first = Replica(self.segment, self.offset,
-                        ReplicaStatus.COMPLETE if self.flags & PRIMARY_COMPLETE else ReplicaStatus.PROCESSING)
+        first = Replica(
+            self.segment,
+            self.offset,
+            ReplicaStatus.COMPLETE if self.flags & PRIMARY_COMPLETE else ReplicaStatus.PROCESSING,
+        )
         if self.extra is None:
             return [first]
         return [first, *(unpack_replica(r) for r in self.extra)]
@@ -191,5 +197,7 @@ class ObjectMeta:
 
     def __repr__(self) -> str:
         state = "COMPLETE" if self.flags & COMPLETE else "PROCESSING"
-        return (f"ObjectMeta(size={self.size}, {state}, replicas={self.replica_list()}, "
-                f"last_access={self.last_access}, lease_until={self.lease_until}, flags={self.flags})")
+        return (
+            f"ObjectMeta(size={self.size}, {state}, replicas={self.replica_list()}, "
+            f"last_access={self.last_access}, lease_until={self.lease_until}, flags={self.flags})"
+        )

@@ -223,8 +223,7 @@ class SegmentTable:
     def publish(self) -> None:
         """Recompute the allocatable tuple after a mount, unmount or status change. SSD-tier segments are
         never allocatable for puts (and not part of the DRAM watermark)."""
-        self.allocatable = tuple(s for s in self.by_id.values()
-                                 if s.status == SegmentStatus.OK and not s.tier)
+        self.allocatable = tuple(s for s in self.by_id.values() if s.status == SegmentStatus.OK and not s.tier)
 
     def segments(self) -> list[Segment]:
         return list(self.by_id.values())

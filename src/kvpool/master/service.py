@@ -74,7 +74,7 @@ class Role:
     """
 
     elector: LeadershipProbe | None = None
-    leader: str = ""          # the leader's gRPC endpoint when this one is not it
+    leader: str = ""  # the leader's gRPC endpoint when this one is not it
     followers: list[str] = field(default_factory=list)
 
     @property
@@ -96,8 +96,12 @@ class Role:
     def accepts(self, method: str) -> bool:
         if method in _ALWAYS_SERVED or self.serving:
             return True
-        return (method in _MEMBERSHIP and self.elector is not None and self.elector.is_warming_up
-                and self.elector.lease_valid_for() > 0)
+        return (
+            method in _MEMBERSHIP
+            and self.elector is not None
+            and self.elector.is_warming_up
+            and self.elector.lease_valid_for() > 0
+        )
 
 
 class MasterHandlers:
@@ -110,17 +114,27 @@ class MasterHandlers:
         self.endpoints = endpoints
         self.registry = CollectorRegistry()
         self._requests = Counter("kvpool_master_requests", "Master requests", ["op"], registry=self.registry)
-        self._latency = Histogram("kvpool_master_request_seconds", "Master request latency", ["op"],
-                                  registry=self.registry,
-                                  buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0))
+        self._latency = Histogram(
+            "kvpool_master_request_seconds",
+            "Master request latency",
+            ["op"],
+            registry=self.registry,
+            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0),
+        )
         self._children: dict[str, tuple[Any, Any]] = {}
         self.collector = _StateCollector(state, role)
         self.registry.register(self.collector)
         self._methods: dict[str, Callable[[Any], Any]] = {
             name: getattr(self, name) for name, _req, _resp in frames.RPC_METHODS.values()
         }
-        for name in ("MountSegment", "RemountSegment", "UnmountSegment", "Heartbeat", "SetSegmentStatus",
-                     "TierTasks"):
+        for name in (
+            "MountSegment",
+            "RemountSegment",
+            "UnmountSegment",
+            "Heartbeat",
+            "SetSegmentStatus",
+            "TierTasks",
+        ):
             self._methods[name] = getattr(self, name)
         # Drain, scale-in and rebalance (master/drain.py): store-to-store moves, pulled by the stores.
         self.drains = DrainManager(state, serving=lambda: self.role.serving)
@@ -164,34 +178,56 @@ class MasterHandlers:
 
     def GetClusterInfo(self, req: pb.ClusterInfoRequest) -> pb.ClusterInfoResponse:  # noqa: N802
         return pb.ClusterInfoResponse(
-            status=self.status(), grpc_endpoint=self.endpoints.get("grpc", ""),
-            rpc_endpoint=self.endpoints.get("rpc", ""), metrics_endpoint=self.endpoints.get("metrics", ""),
-            cluster=self.config.cluster, lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
-            max_key_bytes=self.config.max_key_bytes, max_object_bytes=self.config.max_object_bytes,
+            status=self.status(),
+            grpc_endpoint=self.endpoints.get("grpc", ""),
+            rpc_endpoint=self.endpoints.get("rpc", ""),
+            metrics_endpoint=self.endpoints.get("metrics", ""),
+            cluster=self.config.cluster,
+            lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
+            max_key_bytes=self.config.max_key_bytes,
+            max_object_bytes=self.config.max_object_bytes,
             max_batch=self.config.max_batch,
         )
 
     def GetStats(self, req: pb.StatsRequest) -> pb.StatsResponse:  # noqa: N802
         s = self.state.stats()
         return pb.StatsResponse(
-            status=self.status(), segments=[_segment_info(seg) for seg in s.segments], objects=s.objects,
-            capacity=s.capacity, used=s.used, hits=s.hits, misses=s.misses, evictions=s.evictions,
-            evicted_bytes=s.evicted_bytes, puts=s.puts, reclaimed_puts=s.reclaimed_puts,
-            role=self.role.name, leader=self.role.leader or self.endpoints.get("grpc", ""),
-            followers=self.role.followers, extra=tier_service.stats_extra(self.state),
+            status=self.status(),
+            segments=[_segment_info(seg) for seg in s.segments],
+            objects=s.objects,
+            capacity=s.capacity,
+            used=s.used,
+            hits=s.hits,
+            misses=s.misses,
+            evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes,
+            puts=s.puts,
+            reclaimed_puts=s.reclaimed_puts,
+            role=self.role.name,
+            leader=self.role.leader or self.endpoints.get("grpc", ""),
+            followers=self.role.followers,
+            extra=tier_service.stats_extra(self.state),
         )
 
     # --- membership ------------------------------------------------------------------------------
 
     def MountSegment(self, req: pb.MountSegmentRequest) -> pb.MountSegmentResponse:  # noqa: N802
-        result = self.state.mount_segment(convert.segment_spec(req.segment, req.secret),
-                                          convert.inventory(req.inventory), req.remount)
-        log.info("segment %d of store %s (%s) mounted: %d objects adopted, %d rejected", req.segment.id,
-                 req.segment.store_id, req.segment.node, result.adopted, result.rejected)
+        result = self.state.mount_segment(
+            convert.segment_spec(req.segment, req.secret), convert.inventory(req.inventory), req.remount
+        )
+        log.info(
+            "segment %d of store %s (%s) mounted: %d objects adopted, %d rejected",
+            req.segment.id,
+            req.segment.store_id,
+            req.segment.node,
+            result.adopted,
+            result.rejected,
+        )
         if result.code == ErrorCode.OK:
             self.drains.on_mount(req.segment.id)  # a segment under a drain job is DRAINING at once
-        return pb.MountSegmentResponse(status=self.status(result.code), adopted=result.adopted,
-                                       rejected=result.rejected)
+        return pb.MountSegmentResponse(
+            status=self.status(result.code), adopted=result.adopted, rejected=result.rejected
+        )
 
     RemountSegment = MountSegment
 
@@ -202,8 +238,9 @@ class MasterHandlers:
     def Heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:  # noqa: N802
         result = self.state.heartbeat(req.store_id, list(req.segment_ids), req.freed_ack)
         freed = [pb.FreedRange(segment_id=s, offset=o, seq=q) for s, o, q in result.freed]
-        return pb.HeartbeatResponse(status=self.status(result.code), freed=freed,
-                                    moves_pending=self.drains.pending_for(req.store_id))
+        return pb.HeartbeatResponse(
+            status=self.status(result.code), freed=freed, moves_pending=self.drains.pending_for(req.store_id)
+        )
 
     def TierTasks(self, req: pb.TierTasksRequest) -> pb.TierTasksResponse:  # noqa: N802
         return tier_service.tier_tasks(self.state, req, self.status())
@@ -218,8 +255,7 @@ class MasterHandlers:
         self._check_batch(req.keys)
         if len(req.sizes) != len(req.keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
-        results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes),
-                                       convert.put_options(req.config))
+        results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes), convert.put_options(req.config))
         response = pb.BatchPutStartResponse(status=self.status())
         convert.fill_put_start_results(response.results, results)
         return response
@@ -266,9 +302,17 @@ class MasterHandlers:
 
 def _segment_info(seg: Any) -> pb.SegmentInfo:
     return pb.SegmentInfo(
-        id=seg.id, node=seg.node, store_id=seg.store_id, size=seg.size, tcp_endpoint=seg.tcp_endpoint,
-        shm_path=seg.shm_path, status=int(seg.status), numa_node=seg.numa_node, used=seg.used,  # type: ignore[arg-type]
-        objects=seg.objects, tier=seg.tier,
+        id=seg.id,
+        node=seg.node,
+        store_id=seg.store_id,
+        size=seg.size,
+        tcp_endpoint=seg.tcp_endpoint,
+        shm_path=seg.shm_path,
+        status=int(seg.status),  # type: ignore[arg-type]
+        numa_node=seg.numa_node,
+        used=seg.used,
+        objects=seg.objects,
+        tier=seg.tier,
     )
 
 
@@ -361,7 +405,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
         consumed = 0
         try:
             while len(buf) - consumed >= frames.HEADER_SIZE:
-                head = frames.unpack_header(memoryview(buf)[consumed:consumed + frames.HEADER_SIZE])
+                head = frames.unpack_header(memoryview(buf)[consumed : consumed + frames.HEADER_SIZE])
                 if not self._authed and not self._may_precede_auth(head):
                     return  # refused before its payload is buffered: a peer without the token costs ~nothing
                 if head.length > self._max_payload:
@@ -369,7 +413,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
                 end = consumed + frames.HEADER_SIZE + head.length
                 if len(buf) < end:
                     break
-                payload = bytes(buf[consumed + frames.HEADER_SIZE:end])
+                payload = bytes(buf[consumed + frames.HEADER_SIZE : end])
                 consumed = end
                 if not self._answer(head, payload):
                     self._close()
@@ -519,13 +563,18 @@ class MasterServer:
         rpc_port = await self._framed.start(self.config.host, self.config.rpc_port)
         self.endpoints.update(grpc=f"{advertise}:{grpc_port}", rpc=f"{advertise}:{rpc_port}")
         if self.config.metrics_port >= 0:
-            self._metrics = MetricsServer(self.config.host, self.config.metrics_port, self.handlers.registry,
-                                          self._health).start()
+            self._metrics = MetricsServer(
+                self.config.host, self.config.metrics_port, self.handlers.registry, self._health
+            ).start()
             self.endpoints["metrics"] = f"{advertise}:{self._metrics.port}"
         self._maintenance.start()
         self._drain_controller.start()
-        log.info("master serving: grpc %s, rpc %s, metrics %s", self.endpoints["grpc"], self.endpoints["rpc"],
-                 self.endpoints.get("metrics", "off"))
+        log.info(
+            "master serving: grpc %s, rpc %s, metrics %s",
+            self.endpoints["grpc"],
+            self.endpoints["rpc"],
+            self.endpoints.get("metrics", "off"),
+        )
 
     def reset_state(self) -> None:
         """Forget the whole index (a deposed leader): a later leadership rebuilds it from the stores."""
@@ -537,8 +586,14 @@ class MasterServer:
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         s = self.state.stats()
-        return True, {"role": self.role.name, "view": self.role.view, "objects": s.objects,
-                      "segments": len(s.segments), "used": s.used, "capacity": s.capacity}
+        return True, {
+            "role": self.role.name,
+            "view": self.role.view,
+            "objects": s.objects,
+            "segments": len(s.segments),
+            "used": s.used,
+            "capacity": s.capacity,
+        }
 
     async def stop(self) -> None:
         self._maintenance.stop()

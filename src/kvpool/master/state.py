@@ -141,8 +141,16 @@ class _PutContext:
 
     __slots__ = ("now", "expiry_ms", "replica_num", "preferred", "writer_node", "flags", "soft_pin_until")
 
-    def __init__(self, now: float, expiry_ms: int, replica_num: int, preferred: list[int], writer_node: str,
-                 flags: int, soft_pin_until: float) -> None:
+    def __init__(
+        self,
+        now: float,
+        expiry_ms: int,
+        replica_num: int,
+        preferred: list[int],
+        writer_node: str,
+        flags: int,
+        soft_pin_until: float,
+    ) -> None:
         self.now = now
         self.expiry_ms = expiry_ms
         self.replica_num = replica_num
@@ -185,8 +193,9 @@ class MasterState:
         # Ranges of revoked puts, held until their WRITE grants are surely dead (master/quarantine.py).
         self._quarantine = RangeQuarantine()
         # SSD tier (master/tiering.py): inert until a store mounts a tier=1 segment.
-        self.tiers = TierManager(config, clock, self._shards, self._stripes, self._table, self._free_ranges,
-                                 self._quarantine.hold)
+        self.tiers = TierManager(
+            config, clock, self._shards, self._stripes, self._table, self._free_ranges, self._quarantine.hold
+        )
 
     @property
     def config(self) -> MasterConfig:
@@ -212,8 +221,17 @@ class MasterState:
         """
         if not self._valid_spec(spec):
             return MountResult(ErrorCode.INVALID_ARGUMENT)
-        info = SegmentInfo(spec.id, spec.node, spec.store_id, spec.size, spec.tcp_endpoint, spec.shm_path,
-                           bytes(spec.rdma_desc), spec.numa_node, spec.tier)
+        info = SegmentInfo(
+            spec.id,
+            spec.node,
+            spec.store_id,
+            spec.size,
+            spec.tcp_endpoint,
+            spec.shm_path,
+            bytes(spec.rdma_desc),
+            spec.numa_node,
+            spec.tier,
+        )
         now = self._clock.monotonic()
         with self._membership:
             segment = self._table.get(spec.id)
@@ -299,8 +317,7 @@ class MasterState:
                 segments = [s for s in (self._table.get(i) for i in list(store.segment_ids)) if s is not None]
                 dropped = self._drop_segments(segments)
                 expired.append(store_id)
-                _log.warning("store %s expired: %d segments and %d objects dropped",
-                             store_id, len(segments), dropped)
+                _log.warning("store %s expired: %d segments and %d objects dropped", store_id, len(segments), dropped)
         return expired
 
     # =================================================================== puts
@@ -320,14 +337,17 @@ class MasterState:
         """
         n = len(keys)
         bad = self._batch_error(n, len(sizes))
-        if bad is None and (type(options.replica_num) is not int or options.replica_num < 0
-                            or not isinstance(client_id, str) or not client_id):
+        if bad is None and (
+            type(options.replica_num) is not int
+            or options.replica_num < 0
+            or not isinstance(client_id, str)
+            or not client_id
+        ):
             bad = ErrorCode.INVALID_ARGUMENT
         if bad is not None:
             return [PutStartResult(bad) for _ in range(n)]
         ctx = self._put_context(options)
-        results: list[PutStartResult | None] = [
-            self._put_one(client_id, keys[i], sizes[i], ctx) for i in range(n)]
+        results: list[PutStartResult | None] = [self._put_one(client_id, keys[i], sizes[i], ctx) for i in range(n)]
         # Evicting cannot help an object larger than every allocatable segment.
         largest = max((s.size for s in self._table.allocatable), default=0)
         retry = [i for i in range(n) if results[i] is None and sizes[i] <= largest]
@@ -420,8 +440,7 @@ class MasterState:
                         code = _OK
                         # Late WRITE bytes of this put may still land: the ranges are reused only once
                         # its grant has expired (master/quarantine.py), like an abandoned put's.
-                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S,
-                                              ranges)
+                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S, ranges)
             codes.append(code)
         return codes
 
@@ -503,13 +522,34 @@ class MasterState:
             expiry_ms = int(lease_until * 1000.0 + wall_offset_ms) if grant_lease else no_lease_expiry_ms
             if len(live) == 1:
                 seg, off = live[0]
-                descs: tuple[ReplicaGrant, ...] = (ReplicaGrant(
-                    seg.id, seg.node, seg.tcp_endpoint, seg.shm_path, off, size, expiry_ms,
-                    seg.sign(_READ, off, size, expiry_ms, kb), seg.tier),)
+                descs: tuple[ReplicaGrant, ...] = (
+                    ReplicaGrant(
+                        seg.id,
+                        seg.node,
+                        seg.tcp_endpoint,
+                        seg.shm_path,
+                        off,
+                        size,
+                        expiry_ms,
+                        seg.sign(_READ, off, size, expiry_ms, kb),
+                        seg.tier,
+                    ),
+                )
             else:
-                descs = tuple(ReplicaGrant(
-                    seg.id, seg.node, seg.tcp_endpoint, seg.shm_path, off, size, expiry_ms,
-                    seg.sign(_READ, off, size, expiry_ms, kb), seg.tier) for seg, off in live)
+                descs = tuple(
+                    ReplicaGrant(
+                        seg.id,
+                        seg.node,
+                        seg.tcp_endpoint,
+                        seg.shm_path,
+                        off,
+                        size,
+                        expiry_ms,
+                        seg.sign(_READ, off, size, expiry_ms, kb),
+                        seg.tier,
+                    )
+                    for seg, off in live
+                )
             append(GetResult(_OK, size, checksum, expiry_ms, descs))
         if ssd_hits:
             self.tiers.note_hits(ssd_hits)
@@ -571,8 +611,11 @@ class MasterState:
             now = self._clock.monotonic()
 
             def removable(meta: ObjectMeta, _now: float = now) -> bool:
-                return (bool(meta.flags & COMPLETE) and meta.all_replicas_complete()
-                        and (force or (meta.lease_until <= _now and not meta.flags & HARD_PIN)))
+                return (
+                    bool(meta.flags & COMPLETE)
+                    and meta.all_replicas_complete()
+                    and (force or (meta.lease_until <= _now and not meta.flags & HARD_PIN))
+                )
 
             with shard.lock:
                 keys = [k for k, m in shard.objects.items() if k.startswith(prefix) and removable(m)]
@@ -581,8 +624,9 @@ class MasterState:
                     removed += 1
         return removed
 
-    def pin(self, keys: Sequence[str], hard: bool = False, soft_ttl_s: float = 0.0,
-            unpin: bool = False) -> list[ErrorCode]:
+    def pin(
+        self, keys: Sequence[str], hard: bool = False, soft_ttl_s: float = 0.0, unpin: bool = False
+    ) -> list[ErrorCode]:
         """Hard pin (never evicted) or soft pin for ``soft_ttl_s`` (0 = config.soft_pin_ttl_s; evicted
         last), or remove that kind of pin with ``unpin``. Unknown key -> OBJECT_NOT_FOUND."""
         bad = self._batch_error(len(keys), len(keys))
@@ -732,9 +776,23 @@ class MasterState:
         for seg in self._table.segments():
             st = seg.allocator.statistics()
             info = seg.info
-            out.append(SegmentReport(info.id, info.node, info.store_id, info.size, info.tcp_endpoint,
-                                     info.shm_path, info.rdma_desc, info.numa_node, seg.status, st.used,
-                                     st.allocations, st.largest_free, seg.tier))
+            out.append(
+                SegmentReport(
+                    info.id,
+                    info.node,
+                    info.store_id,
+                    info.size,
+                    info.tcp_endpoint,
+                    info.shm_path,
+                    info.rdma_desc,
+                    info.numa_node,
+                    seg.status,
+                    st.used,
+                    st.allocations,
+                    st.largest_free,
+                    seg.tier,
+                )
+            )
         return out
 
     def validate(self) -> None:
@@ -766,7 +824,8 @@ class MasterState:
                     raise AssertionError(
                         f"segment {sid}: allocator blocks != replicas (leaked offsets {sorted(missing)[:5]}, "
                         f"unallocated replica offsets {sorted(extra)[:5]}, mismatched lengths "
-                        f"{[o for o in blocks if o in expected[sid] and blocks[o] != expected[sid][o]][:5]})")
+                        f"{[o for o in blocks if o in expected[sid] and blocks[o] != expected[sid][o]][:5]})"
+                    )
                 if seg.store_id not in table.stores or sid not in table.stores[seg.store_id].segment_ids:
                     raise AssertionError(f"segment {sid}: its store {seg.store_id!r} does not list it")
                 if seg.removed:
@@ -779,8 +838,14 @@ class MasterState:
             if {s.id for s in table.allocatable} != allocatable:
                 raise AssertionError("allocatable segment list is stale")
         with self._stats_lock:
-            counters = (self._hits, self._misses, self._evictions, self._evicted_bytes, self._puts,
-                        self._reclaimed)
+            counters = (
+                self._hits,
+                self._misses,
+                self._evictions,
+                self._evicted_bytes,
+                self._puts,
+                self._reclaimed,
+            )
         if min(counters) < 0:
             raise AssertionError(f"negative counter in {counters}")
         if self._evictions > 0 and self._evicted_bytes < self._evictions:
@@ -870,13 +935,37 @@ class MasterState:
                 shard.processing[key] = client_id
         expiry_ms = ctx.expiry_ms
         if len(placed) == 1:
-            return PutStartResult(_OK, (ReplicaGrant(
-                first.id, first.node, first.tcp_endpoint, first.shm_path, first_offset, size, expiry_ms,
-                first.sign(_WRITE, first_offset, size, expiry_ms, kb)),))
-        return PutStartResult(_OK, tuple(
-            ReplicaGrant(s.id, s.node, s.tcp_endpoint, s.shm_path, off, size, expiry_ms,
-                         s.sign(_WRITE, off, size, expiry_ms, kb))
-            for s, off in placed))
+            return PutStartResult(
+                _OK,
+                (
+                    ReplicaGrant(
+                        first.id,
+                        first.node,
+                        first.tcp_endpoint,
+                        first.shm_path,
+                        first_offset,
+                        size,
+                        expiry_ms,
+                        first.sign(_WRITE, first_offset, size, expiry_ms, kb),
+                    ),
+                ),
+            )
+        return PutStartResult(
+            _OK,
+            tuple(
+                ReplicaGrant(
+                    s.id,
+                    s.node,
+                    s.tcp_endpoint,
+                    s.shm_path,
+                    off,
+                    size,
+                    expiry_ms,
+                    s.sign(_WRITE, off, size, expiry_ms, kb),
+                )
+                for s, off in placed
+            ),
+        )
 
     def _intern_size(self, size: int) -> int:
         # Objects of one page size share one int (sizes arrive as fresh ints from the wire).
@@ -892,8 +981,7 @@ class MasterState:
         segments = self._table.allocatable
         if not segments:
             return []
-        order = self._placement.choose(segments, size, ctx.replica_num, _NO_EXCLUDE, ctx.preferred,
-                                       ctx.writer_node)
+        order = self._placement.choose(segments, size, ctx.replica_num, _NO_EXCLUDE, ctx.preferred, ctx.writer_node)
         by_id = self._table.by_id
         want = ctx.replica_num
         placed: list[Range] = []
@@ -1068,11 +1156,13 @@ class MasterState:
             return self.tiers.evict_one(cand, now, urgent)
 
         def still_victim(meta: ObjectMeta) -> bool:
-            return (meta.flags & _EVICTABLE_MASK == COMPLETE
-                    and meta.lease_until <= now
-                    and meta.last_access == cand.last_access
-                    and (cand.soft_pinned or meta.soft_pin_until <= now)
-                    and meta.all_replicas_complete())
+            return (
+                meta.flags & _EVICTABLE_MASK == COMPLETE
+                and meta.lease_until <= now
+                and meta.last_access == cand.last_access
+                and (cand.soft_pinned or meta.soft_pin_until <= now)
+                and meta.all_replicas_complete()
+            )
 
         meta = self._drop_if(cand.key, still_victim)
         return (0, False) if meta is None else (meta.size * meta.replica_count(), True)
@@ -1087,13 +1177,22 @@ class MasterState:
 
     def _valid_spec(self, spec: SegmentSpec) -> bool:
         try:
-            return (_is_uint(spec.id) and isinstance(spec.store_id, str) and bool(spec.store_id)
-                    and isinstance(spec.node, str) and type(spec.size) is int
-                    and 0 < spec.size <= MAX_OFFSET + 1
-                    and isinstance(spec.secret, bytes | bytearray) and len(spec.secret) > 0
-                    and isinstance(spec.tcp_endpoint, str) and isinstance(spec.shm_path, str)
-                    and isinstance(spec.rdma_desc, bytes | bytearray) and type(spec.numa_node) is int
-                    and spec.tier in (0, 1) and type(spec.tier) is int)
+            return (
+                _is_uint(spec.id)
+                and isinstance(spec.store_id, str)
+                and bool(spec.store_id)
+                and isinstance(spec.node, str)
+                and type(spec.size) is int
+                and 0 < spec.size <= MAX_OFFSET + 1
+                and isinstance(spec.secret, bytes | bytearray)
+                and len(spec.secret) > 0
+                and isinstance(spec.tcp_endpoint, str)
+                and isinstance(spec.shm_path, str)
+                and isinstance(spec.rdma_desc, bytes | bytearray)
+                and type(spec.numa_node) is int
+                and spec.tier in (0, 1)
+                and type(spec.tier) is int
+            )
         except AttributeError:
             return False
 
@@ -1157,10 +1256,15 @@ class MasterState:
         cfg = self._cfg
         kb = _encode_key(item.key, cfg.max_key_bytes)
         offset, length, checksum = item.offset, item.length, item.checksum
-        if (not isinstance(kb, bytes) or item.tier != segment.tier or not _is_uint(offset)
-                or not _is_uint(checksum)
-                or type(length) is not int or not 0 < length <= cfg.max_object_bytes
-                or offset + length > segment.size):
+        if (
+            not isinstance(kb, bytes)
+            or item.tier != segment.tier
+            or not _is_uint(offset)
+            or not _is_uint(checksum)
+            or type(length) is not int
+            or not 0 < length <= cfg.max_object_bytes
+            or offset + length > segment.size
+        ):
             return False
         key = item.key
         shard = self._shards.shard_of(kb)
@@ -1169,8 +1273,9 @@ class MasterState:
             if meta is None:
                 if not segment.allocator.reserve(offset, length):
                     return False
-                shard.objects[key] = ObjectMeta(self._intern_size(length), segment.id, offset, now,
-                                                COMPLETE | PRIMARY_COMPLETE, checksum)
+                shard.objects[key] = ObjectMeta(
+                    self._intern_size(length), segment.id, offset, now, COMPLETE | PRIMARY_COMPLETE, checksum
+                )
                 return True
             if not meta.flags & COMPLETE or meta.size != length or meta.checksum != checksum:
                 return False

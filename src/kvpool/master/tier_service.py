@@ -48,9 +48,18 @@ def tier_tasks(state: MasterState, req: pb.TierTasksRequest, status: pb.Status) 
 
 
 def _task(t: TierTask) -> pb.TierTask:
-    return pb.TierTask(id=t.id, kind=int(t.kind), key=t.key, src_segment=t.src_segment,  # type: ignore[arg-type]
-                       src_offset=t.src_offset, dst_segment=t.dst_segment, dst_offset=t.dst_offset,
-                       length=t.length, checksum=t.checksum, deadline_ms=t.deadline_ms)
+    return pb.TierTask(
+        id=t.id,
+        kind=int(t.kind),  # type: ignore[arg-type]
+        key=t.key,
+        src_segment=t.src_segment,
+        src_offset=t.src_offset,
+        dst_segment=t.dst_segment,
+        dst_offset=t.dst_offset,
+        length=t.length,
+        checksum=t.checksum,
+        deadline_ms=t.deadline_ms,
+    )
 
 
 def stats_extra(state: MasterState) -> dict[str, float]:

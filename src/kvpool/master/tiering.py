@@ -126,8 +126,16 @@ class TierChannel:
         """No new demotions to this store before this time (after repeated failures)."""
         self.failures = 0
 
-    def push_locked(self, kind: TaskKind, key: str, src: tuple[int, int], dst: tuple[int, int], length: int,
-                    checksum: int, now: float) -> TierTask:
+    def push_locked(
+        self,
+        kind: TaskKind,
+        key: str,
+        src: tuple[int, int],
+        dst: tuple[int, int],
+        length: int,
+        checksum: int,
+        now: float,
+    ) -> TierTask:
         """Queue a task (caller holds ``lock``)."""
         task = TierTask(self._next_id, kind, key, src[0], src[1], dst[0], dst[1], length, checksum, now)
         self._next_id += 1
@@ -182,8 +190,7 @@ class TierAllocator(OffsetAllocator):
     """The allocator of an SSD-tier segment: each free also queues a DELETE for the store, atomically with
     the free (under the channel lock), so the DELETE precedes any later DEMOTE into the same range."""
 
-    def __init__(self, size: int, alignment: int, segment_id: int, channel: TierChannel,
-                 clock: Clock) -> None:
+    def __init__(self, size: int, alignment: int, segment_id: int, channel: TierChannel, clock: Clock) -> None:
         super().__init__(size, alignment)
         self._segment_id = segment_id
         self._channel = channel
@@ -193,8 +200,9 @@ class TierAllocator(OffsetAllocator):
         channel = self._channel
         with channel.lock:
             length = super().free(offset)
-            channel.push_locked(TaskKind.DELETE, "", (0, 0), (self._segment_id, offset), length, 0,
-                                self._clock.monotonic())
+            channel.push_locked(
+                TaskKind.DELETE, "", (0, 0), (self._segment_id, offset), length, 0, self._clock.monotonic()
+            )
         return length
 
 
@@ -218,8 +226,16 @@ class _Counters:
 class TierManager:
     """The SSD-tier mechanism of one MasterState (see the module docstring). Pure: no I/O, no threads."""
 
-    def __init__(self, config: MasterConfig, clock: Clock, shards: ShardMap, stripes: StripedLocks,
-                 table: SegmentTable, free_ranges: FreeRanges, hold_ranges: HoldRanges | None = None) -> None:
+    def __init__(
+        self,
+        config: MasterConfig,
+        clock: Clock,
+        shards: ShardMap,
+        stripes: StripedLocks,
+        table: SegmentTable,
+        free_ranges: FreeRanges,
+        hold_ranges: HoldRanges | None = None,
+    ) -> None:
         self._cfg = config
         self._clock = clock
         self._shards = shards
@@ -248,8 +264,13 @@ class TierManager:
 
     def attach(self, segment: Segment) -> None:
         """A new SSD-tier segment (before its inventory is adopted): give it the task-queuing allocator."""
-        segment.allocator = TierAllocator(segment.size, segment.allocator.alignment, segment.id,
-                                          self._channel(segment.store_id), self._clock)
+        segment.allocator = TierAllocator(
+            segment.size,
+            segment.allocator.alignment,
+            segment.id,
+            self._channel(segment.store_id),
+            self._clock,
+        )
 
     def refresh(self) -> None:
         """Recompute the SSD segment ids after a mount or a drop (membership lock held)."""
@@ -326,8 +347,15 @@ class TierManager:
             offset = ssd_seg.allocator.allocate(meta.size)
             if offset is None:
                 return False  # SSD full: the SSD eviction (maintain) makes room for later demotions
-            task = channel.push_locked(TaskKind.DEMOTE, key, (src.segment_id, src.offset),
-                                       (ssd_seg.id, offset), meta.size, meta.checksum, now)
+            task = channel.push_locked(
+                TaskKind.DEMOTE,
+                key,
+                (src.segment_id, src.offset),
+                (ssd_seg.id, offset),
+                meta.size,
+                meta.checksum,
+                now,
+            )
             task.deadline_ms = self._deadline_ms()
             task.last_access = meta.last_access
             task.pending_bytes = pending
@@ -404,8 +432,15 @@ class TierManager:
                 return False  # DRAM full: stay on SSD (the next reads will try again)
             meta.add_replica(dram_seg.id, offset, False)
             with channel.lock:
-                task = channel.push_locked(TaskKind.PROMOTE, key, (src.segment_id, src.offset),
-                                           (dram_seg.id, offset), meta.size, meta.checksum, now)
+                task = channel.push_locked(
+                    TaskKind.PROMOTE,
+                    key,
+                    (src.segment_id, src.offset),
+                    (dram_seg.id, offset),
+                    meta.size,
+                    meta.checksum,
+                    now,
+                )
                 task.deadline_ms = self._deadline_ms()
         return True
 
@@ -414,8 +449,9 @@ class TierManager:
 
     # ------------------------------------------------------------------ the store's side of the channel
 
-    def exchange(self, store_id: str, done: Sequence[tuple[int, int]], max_tasks: int
-                 ) -> tuple[ErrorCode, list[TierTask], int]:
+    def exchange(
+        self, store_id: str, done: Sequence[tuple[int, int]], max_tasks: int
+    ) -> tuple[ErrorCode, list[TierTask], int]:
         """A store reports finished tasks ``(id, code)`` and takes up to ``max_tasks`` new ones.
 
         Returns (NEED_REMOUNT for an unknown store, else OK; tasks; tasks still queued)."""
@@ -447,8 +483,7 @@ class TierManager:
             if channel.failures >= 8:
                 channel.backoff_until = self._clock.monotonic() + 5.0
                 channel.failures = 0
-                _log.warning("store %s: demotions keep failing (%s): pausing them for 5 s", channel.store_id,
-                             code.name)
+                _log.warning("store %s: demotions keep failing (%s): pausing them for 5 s", channel.store_id, code.name)
         elif task.kind == TaskKind.PROMOTE:
             ok = self._finish_promote(task, code)
             with self._lock:
@@ -640,11 +675,13 @@ class TierManager:
 
 def _still_victim(meta: ObjectMeta, cand: Candidate, now: float) -> bool:
     """The DRAM eviction's re-validation (the same rule as MasterState._evict_one)."""
-    return (meta.flags & _EVICTABLE_MASK == COMPLETE
-            and meta.lease_until <= now
-            and meta.last_access == cand.last_access
-            and (cand.soft_pinned or meta.soft_pin_until <= now)
-            and meta.all_replicas_complete())
+    return (
+        meta.flags & _EVICTABLE_MASK == COMPLETE
+        and meta.lease_until <= now
+        and meta.last_access == cand.last_access
+        and (cand.soft_pinned or meta.soft_pin_until <= now)
+        and meta.all_replicas_complete()
+    )
 
 
 def _ssd_evictable(meta: ObjectMeta, segment_id: int, now: float) -> bool:

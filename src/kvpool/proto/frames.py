@@ -107,8 +107,20 @@ class TransferDesc:
 
     def pack(self) -> bytes:
         g = self.grant
-        return DESC.pack(g.segment_id, g.offset, g.length, g.expiry_ms, self.checksum,
-                         self.part_offset, self.part_length, len(g.key), g.mac) + g.key
+        return (
+            DESC.pack(
+                g.segment_id,
+                g.offset,
+                g.length,
+                g.expiry_ms,
+                self.checksum,
+                self.part_offset,
+                self.part_length,
+                len(g.key),
+                g.mac,
+            )
+            + g.key
+        )
 
 
 def unpack_desc(op: GrantOp, raw: bytes | bytearray | memoryview) -> tuple[TransferDesc, int]:
@@ -118,7 +130,7 @@ def unpack_desc(op: GrantOp, raw: bytes | bytearray | memoryview) -> tuple[Trans
     seg, off, length, expiry, csum, part_off, part_len, key_len, mac = DESC.unpack_from(raw)
     if key_len > MAX_KEY_BYTES or len(raw) < DESC.size + key_len:
         raise KvPoolError(ErrorCode.BAD_FRAME, f"bad key length {key_len}")
-    key = bytes(raw[DESC.size:DESC.size + key_len])
+    key = bytes(raw[DESC.size : DESC.size + key_len])
     grant = Grant(op, seg, off, length, expiry, key, mac)
     return TransferDesc(grant, csum, part_off, part_len), DESC.size + key_len
 

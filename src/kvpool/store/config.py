@@ -17,25 +17,36 @@ class StoreConfig:
     port: int = option(0, "Data-plane TCP port. 0 = any free port.")
     metrics_port: int = option(0, "Port of the HTTP /metrics and /health endpoint. 0 = any free port, -1 = off.")
     advertise: str = option("", "Host name clients use to reach this store (default: --host).")
-    node: str = option("", "Node name (default: KVPOOL_NODE or the hostname); same-node clients use shared memory.",
-                       env=envs.KVPOOL_NODE)
+    node: str = option(
+        "",
+        "Node name (default: KVPOOL_NODE or the hostname); same-node clients use shared memory.",
+        env=envs.KVPOOL_NODE,
+    )
     cluster: str = option("kvpool", "Cluster name (prefix of the shared-memory file).", env=envs.KVPOOL_CLUSTER)
     shm_dir: str = option("/dev/shm", "Directory of the segment file (tmpfs, or a hugetlbfs mount).")
     numa_node: int = option(-1, "Bind this store's CPUs and segment memory to this NUMA node (-1 = no binding).")
-    hugepages: str = option("", "Back the segment with hugepages: 2M or 1G (fails if unavailable; no fallback).",
-                            choices=("", "2M", "1G"))
+    hugepages: str = option(
+        "",
+        "Back the segment with hugepages: 2M or 1G (fails if unavailable; no fallback).",
+        choices=("", "2M", "1G"),
+    )
     ssd_dir: str = option("", "Directory of the SSD tier (empty = no SSD tier).")
     ssd_size: int = option(0, "Bytes of the SSD tier.", parse=parse_size)
     heartbeat_interval_s: float = option(1.0, "Heartbeat period to the master.", parse=parse_duration)
     max_connections: int = option(1024, "Most concurrent data-plane connections.")
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
     tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")
-    max_connections_per_client: int = option(256, "Most data-plane connections from one client address "
-                                                  "(0 = no limit); more get TOO_MANY_CONNECTIONS.")
-    max_inflight_bytes_per_client: int = option(256 << 20, "Most payload bytes being read or written for one "
-                                                           "client address at once (0 = no limit); a request "
-                                                           "over it gets TOO_MANY_BYTES_IN_FLIGHT.",
-                                                parse=parse_size)
+    max_connections_per_client: int = option(
+        256,
+        "Most data-plane connections from one client address (0 = no limit); more get TOO_MANY_CONNECTIONS.",
+    )
+    max_inflight_bytes_per_client: int = option(
+        256 << 20,
+        "Most payload bytes being read or written for one "
+        "client address at once (0 = no limit); a request "
+        "over it gets TOO_MANY_BYTES_IN_FLIGHT.",
+        parse=parse_size,
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1 << 20:

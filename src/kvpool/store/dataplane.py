@@ -122,11 +122,21 @@ class _Conn:
 class DataPlaneServer:
     """Serves PING, STORE_INFO, READ and WRITE on one TCP port for the given segments."""
 
-    def __init__(self, host: str, port: int, segments: dict[int, ShmSegment], secrets: dict[int, bytes],
-                 inventory: Inventory, max_connections: int = 1024, clock: Clock = SYSTEM_CLOCK,
-                 store_info: Callable[[], dict[str, Any]] | None = None, stall_timeout_s: float = 30.0,
-                 socket_buffer: int = 4 << 20, auth: TokenChecker | None = None,
-                 limits: ClientLimits | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        segments: dict[int, ShmSegment],
+        secrets: dict[int, bytes],
+        inventory: Inventory,
+        max_connections: int = 1024,
+        clock: Clock = SYSTEM_CLOCK,
+        store_info: Callable[[], dict[str, Any]] | None = None,
+        stall_timeout_s: float = 30.0,
+        socket_buffer: int = 4 << 20,
+        auth: TokenChecker | None = None,
+        limits: ClientLimits | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self._inventory = inventory
@@ -162,8 +172,7 @@ class DataPlaneServer:
         self.port = listener.getsockname()[1]
         self._wake_r, self._wake_w = os.pipe()
         self._listener = listener
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvpool-dp-accept-{self.port}",
-                                          daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvpool-dp-accept-{self.port}", daemon=True)
         self._acceptor.start()
         logger.info("data plane listening on %s:%d (%d segments)", self.host, self.port, len(self._segments))
 
@@ -218,8 +227,15 @@ class DataPlaneServer:
     def statistics(self) -> DataPlaneStats:
         with self._lock:
             t = self._totals
-            snap = DataPlaneStats(len(self._conns), t.connections_total, t.connections_rejected, t.requests,
-                                  t.bytes_read, t.bytes_written, dict(t.errors))
+            snap = DataPlaneStats(
+                len(self._conns),
+                t.connections_total,
+                t.connections_rejected,
+                t.requests,
+                t.bytes_read,
+                t.bytes_written,
+                dict(t.errors),
+            )
             live = [c.stats for c in self._conns]
         for stats in live:  # racy reads of ints written by other threads: fine for metrics
             stats.fold_into(snap)
@@ -259,12 +275,15 @@ class DataPlaneServer:
             if full:
                 logger.warning("data plane: %s refused, %d connections open", peer, self._max_connections)
             else:
-                logger.warning("data plane: %s refused, %d connections open from %s", peer,
-                               self.limits.max_connections, client)
+                logger.warning(
+                    "data plane: %s refused, %d connections open from %s",
+                    peer,
+                    self.limits.max_connections,
+                    client,
+                )
             _reply_and_close(sock, ErrorCode.TOO_MANY_CONNECTIONS, 0, 0)
             return
-        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"kvpool-dp-{peer}",
-                                       daemon=True)
+        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"kvpool-dp-{peer}", daemon=True)
         conn.thread.start()
 
     # ------------------------------------------------------------------ one connection
@@ -280,8 +299,7 @@ class DataPlaneServer:
             logger.warning("data plane: closing %s: %s: %s", conn.peer, exc.code.name, exc)
             _reply_and_close(sock, exc.code, exc.req_id, exc.op)
         except BlockingIOError:
-            logger.warning("data plane: closing %s: stalled for %.0f s mid-frame", conn.peer,
-                           self._stall_timeout_s)
+            logger.warning("data plane: closing %s: stalled for %.0f s mid-frame", conn.peer, self._stall_timeout_s)
         except (KvPoolError, OSError) as exc:
             logger.debug("data plane: %s gone: %s", conn.peer, exc)
         except Exception:
@@ -330,8 +348,12 @@ class DataPlaneServer:
         """
         if op != Op.HELLO:
             self.auth.refuse("data")
-            raise _Close(ErrorCode.AUTH_FAILED, f"op {op} before HELLO: the cluster token is required",
-                         req_id, Op.HELLO)
+            raise _Close(
+                ErrorCode.AUTH_FAILED,
+                f"op {op} before HELLO: the cluster token is required",
+                req_id,
+                Op.HELLO,
+            )
         if length > MAX_HELLO_PAYLOAD:
             raise _Close(ErrorCode.BAD_FRAME, f"HELLO of {length} bytes", req_id, Op.HELLO)
         if not self.auth.check(bytes(reader.read(length)), "data"):
@@ -360,9 +382,13 @@ class DataPlaneServer:
         raw = reader.read(length)
         fields = DESC.unpack_from(raw)
         if fields[_DESC_KEY_LEN] != length - DESC.size:
-            raise _Close(ErrorCode.BAD_FRAME,
-                         f"READ payload of {length} bytes, key of {fields[_DESC_KEY_LEN]}", req_id, Op.READ)
-        desc = _desc(GrantOp.READ, fields, bytes(raw[DESC.size:]))
+            raise _Close(
+                ErrorCode.BAD_FRAME,
+                f"READ payload of {length} bytes, key of {fields[_DESC_KEY_LEN]}",
+                req_id,
+                Op.READ,
+            )
+        desc = _desc(GrantOp.READ, fields, bytes(raw[DESC.size :]))
         tier = self._tiers.get(desc.grant.segment_id)
         if tier is not None:  # an SSD-tier replica: sendfile from its file
             code, sent = serve_tier_read(conn.sock, tier[0], tier[1], desc, req_id, self._clock.wall_ms())
@@ -377,7 +403,7 @@ class DataPlaneServer:
             self._reply(conn, Op.READ, req_id, code)
             return
         start = desc.grant.offset + desc.part_offset
-        data = seg.view[start:start + desc.part_length]
+        data = seg.view[start : start + desc.part_length]
         try:
             send_all(conn.sock, HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, len(data)), data)
         finally:
@@ -392,9 +418,13 @@ class DataPlaneServer:
         key_len, part_length = fields[_DESC_KEY_LEN], fields[_DESC_PART_LENGTH]
         consistent = length == DESC.size + key_len + part_length
         if key_len > MAX_KEY_BYTES or part_length > self._max_part or not consistent:
-            raise _Close(ErrorCode.BAD_FRAME,
-                         f"WRITE payload {length} != desc {DESC.size} + key {key_len} + part {part_length}"
-                         f" (max key {MAX_KEY_BYTES}, max part {self._max_part})", req_id, Op.WRITE)
+            raise _Close(
+                ErrorCode.BAD_FRAME,
+                f"WRITE payload {length} != desc {DESC.size} + key {key_len} + part {part_length}"
+                f" (max key {MAX_KEY_BYTES}, max part {self._max_part})",
+                req_id,
+                Op.WRITE,
+            )
         desc = _desc(GrantOp.WRITE, fields, bytes(reader.read(key_len)))
         code, seg = self._check_and_reserve(conn, desc)
         if seg is None:
@@ -405,14 +435,15 @@ class DataPlaneServer:
         g = desc.grant
         self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
         start = g.offset + desc.part_offset
-        dest = seg.view[start:start + part_length]
+        dest = seg.view[start : start + part_length]
         try:
             reader.read_into(dest)
         finally:
             dest.release()
             self.limits.release(conn.client, part_length)
-        self._inventory.record_part(g.segment_id, g.offset, g.length, g.key, desc.checksum,
-                                    desc.part_offset, part_length)
+        self._inventory.record_part(
+            g.segment_id, g.offset, g.length, g.key, desc.checksum, desc.part_offset, part_length
+        )
         conn.stats.bytes_written += part_length
         self._reply(conn, Op.WRITE, req_id, ErrorCode.OK)
 
@@ -425,7 +456,7 @@ class DataPlaneServer:
         fields = DESC.unpack_from(raw)
         if fields[_DESC_KEY_LEN] != length - DESC.size:
             raise _Close(ErrorCode.BAD_FRAME, f"RECORD payload of {length} bytes", req_id, Op.RECORD)
-        desc = _desc(GrantOp.WRITE, fields, bytes(raw[DESC.size:]))
+        desc = _desc(GrantOp.WRITE, fields, bytes(raw[DESC.size :]))
         code, seg = self._check(desc)
         if seg is not None and (desc.part_offset != 0 or desc.part_length != desc.grant.length):
             code, seg = ErrorCode.OUT_OF_BOUNDS, None
@@ -478,8 +509,10 @@ class DataPlaneServer:
     def _info(self) -> dict[str, Any]:
         if self._store_info is not None:
             return self._store_info()
-        return {"segments": [{"id": s.id, "size": s.size, "path": s.path} for s in self._segments.values()],
-                "port": self.port}
+        return {
+            "segments": [{"id": s.id, "size": s.size, "path": s.path} for s in self._segments.values()],
+            "port": self.port,
+        }
 
 
 def _desc(op: GrantOp, fields: tuple[Any, ...], key: bytes) -> TransferDesc:

@@ -58,8 +58,7 @@ class _Claim:
         return self.offset + self.length
 
     def same_object(self, key: bytes, offset: int, length: int, checksum: int) -> bool:
-        return (self.offset == offset and self.length == length and self.key == key
-                and self.checksum == checksum)
+        return self.offset == offset and self.length == length and self.key == key and self.checksum == checksum
 
     def add_interval(self, start: int, end: int) -> bool:
         """Merge [start, end) into the received set; True when [0, length) is covered."""
@@ -102,8 +101,8 @@ class _SortedInts:
         self._maxes[i] = chunk[-1]
         if len(chunk) > 2 * self._CHUNK:
             half = len(chunk) // 2
-            self._chunks[i:i + 1] = [chunk[:half], chunk[half:]]
-            self._maxes[i:i + 1] = [chunk[half - 1], chunk[-1]]
+            self._chunks[i : i + 1] = [chunk[:half], chunk[half:]]
+            self._maxes[i : i + 1] = [chunk[half - 1], chunk[-1]]
 
     def remove(self, value: int) -> None:
         i = bisect.bisect_left(self._maxes, value)
@@ -162,8 +161,7 @@ class _SegmentClaims:
 class Inventory:
     """Thread-safe map of fully written objects per segment, keyed by offset."""
 
-    def __init__(self, clock: Clock = SYSTEM_CLOCK, partial_timeout_s: float = 60.0,
-                 max_partials: int = 65536) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, partial_timeout_s: float = 60.0, max_partials: int = 65536) -> None:
         self._clock = clock
         self._partial_timeout_s = partial_timeout_s
         self._max_partials = max_partials
@@ -183,8 +181,16 @@ class Inventory:
             self._claim(segment_id, offset, length, key, checksum)
             self._expire_partials()
 
-    def record_part(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int,
-                    part_offset: int, part_length: int) -> bool:
+    def record_part(
+        self,
+        segment_id: int,
+        offset: int,
+        length: int,
+        key: bytes,
+        checksum: int,
+        part_offset: int,
+        part_length: int,
+    ) -> bool:
         """Bytes [part_offset, part_offset + part_length) of the object arrived; True if it is now complete
         (its entry was added by this call)."""
         if part_offset < 0 or part_length < 0 or part_offset + part_length > length:

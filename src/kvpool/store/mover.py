@@ -65,9 +65,19 @@ class MoverStats:
 class Mover(threading.Thread):
     """Runs this store's move tasks (see the module docstring)."""
 
-    def __init__(self, link: Link, store_id: str, segment: ShmSegment, secret: bytes, inventory: Inventory,
-                 transport: Transport | None = None, max_in_flight: int = 32, idle_s: float = 5.0,
-                 busy_s: float = 0.01, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        link: Link,
+        store_id: str,
+        segment: ShmSegment,
+        secret: bytes,
+        inventory: Inventory,
+        transport: Transport | None = None,
+        max_in_flight: int = 32,
+        idle_s: float = 5.0,
+        busy_s: float = 0.01,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         super().__init__(name="kvpool-mover", daemon=True)
         self._link = link
         self._store_id = store_id
@@ -118,8 +128,11 @@ class Mover(threading.Thread):
         while not self._stop_event.is_set():
             epoch = self._epoch
             try:
-                response = self._link.call("SyncMoves", pb.SyncMovesRequest(
-                    store_id=self._store_id, results=results, max_tasks=self._max), timeout=5.0)
+                response = self._link.call(
+                    "SyncMoves",
+                    pb.SyncMovesRequest(store_id=self._store_id, results=results, max_tasks=self._max),
+                    timeout=5.0,
+                )
             except KvPoolError as exc:
                 failures += 1
                 if failures >= 3:
@@ -192,8 +205,7 @@ class Mover(threading.Thread):
             return ErrorCode.INVALID_ARGUMENT
         if target.offset + size > seg.size:
             return ErrorCode.OUT_OF_BOUNDS
-        grant = Grant(GrantOp.WRITE, target.segment_id, target.offset, size, target.expiry_ms, key,
-                      bytes(target.mac))
+        grant = Grant(GrantOp.WRITE, target.segment_id, target.offset, size, target.expiry_ms, key, bytes(target.mac))
         if not verify(self._secret, grant):
             return ErrorCode.AUTH_FAILED
         if now_ms + GRANT_MARGIN_MS >= target.expiry_ms:
@@ -206,9 +218,8 @@ class Mover(threading.Thread):
         with self._fence_lock:
             if epoch != self._epoch:
                 return None
-            self._inventory.begin_write(self._segment.id, target.offset, task.size, task.key.encode(),
-                                        task.checksum)
-        return self._segment.view[target.offset:target.offset + task.size]
+            self._inventory.begin_write(self._segment.id, target.offset, task.size, task.key.encode(), task.checksum)
+        return self._segment.view[target.offset : target.offset + task.size]
 
     def _commit(self, task: pb.MoveTask, view: memoryview, code: ErrorCode, epoch: int) -> ErrorCode:
         """Verify the copied bytes and record the object; the task's final code."""
@@ -222,8 +233,15 @@ class Mover(threading.Thread):
                 if epoch != self._epoch:
                     code = ErrorCode.CANCELLED
                 else:
-                    self._inventory.record_part(self._segment.id, target.offset, task.size, task.key.encode(),
-                                                task.checksum, 0, task.size)
+                    self._inventory.record_part(
+                        self._segment.id,
+                        target.offset,
+                        task.size,
+                        task.key.encode(),
+                        task.checksum,
+                        0,
+                        task.size,
+                    )
         # A failed copy leaves an uncommitted claim in the inventory: never reported, forgotten when it
         # times out or is overwritten. (Dropping it by offset could hit a newer write's claim.)
         if code == ErrorCode.OK:
@@ -240,5 +258,14 @@ class Mover(threading.Thread):
 
 
 def _replica(d: pb.ReplicaDescriptor) -> Replica:
-    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms,
-                   bytes(d.mac), d.tier)
+    return Replica(
+        d.segment_id,
+        d.node,
+        d.tcp_endpoint,
+        d.shm_path,
+        d.offset,
+        d.length,
+        d.expiry_ms,
+        bytes(d.mac),
+        d.tier,
+    )

@@ -110,8 +110,10 @@ def check_node(node: int) -> None:
     """INVALID_ARGUMENT naming the machine's nodes unless ``node`` exists."""
     nodes = available_nodes()
     if node not in nodes:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"NUMA node {node} does not exist (this machine has nodes {format_nodes(nodes)})")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"NUMA node {node} does not exist (this machine has nodes {format_nodes(nodes)})",
+        )
 
 
 # ---------------------------------------------------------------------- the calls: libnuma or syscalls
@@ -129,13 +131,25 @@ def _libnuma() -> ctypes.CDLL | None:
     if lib.numa_available() < 0:
         return None  # the kernel has no NUMA support: libnuma's calls would all fail
     lib.mbind.restype = ctypes.c_long
-    lib.mbind.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                          ctypes.c_uint]
+    lib.mbind.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_uint,
+    ]
     lib.set_mempolicy.restype = ctypes.c_long
     lib.set_mempolicy.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong]
     lib.move_pages.restype = ctypes.c_long
-    lib.move_pages.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int]
+    lib.move_pages.argtypes = [
+        ctypes.c_int,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     return lib
 
 
@@ -156,9 +170,11 @@ def _call(name: str, *args: int) -> None:
     else:
         number = _SYSCALLS.get(platform.machine(), {}).get(name)
         if number is None:
-            raise KvPoolError(ErrorCode.NOT_SUPPORTED,
-                              f"{name}: libnuma is not installed (apt-get install libnuma1) and kvpool "
-                              f"has no syscall number for {platform.machine()}")
+            raise KvPoolError(
+                ErrorCode.NOT_SUPPORTED,
+                f"{name}: libnuma is not installed (apt-get install libnuma1) and kvpool "
+                f"has no syscall number for {platform.machine()}",
+            )
         rc = _libc().syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
     if rc < 0:
         err = ctypes.get_errno()
@@ -232,8 +248,7 @@ def bind_current_process(node: int) -> list[int]:
     try:
         _call("set_mempolicy", MPOL_BIND, ctypes.addressof(mask), maxnode)
     except OSError as exc:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"set_mempolicy(MPOL_BIND, node {node}): {exc}") from exc
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"set_mempolicy(MPOL_BIND, node {node}): {exc}") from exc
     logger.info("bound to NUMA node %d: CPUs %s, memory policy MPOL_BIND", node, format_cpus(cpus))
     return cpus
 
@@ -265,9 +280,11 @@ def _set_affinity_all_threads(node: int, cpus: set[int]) -> None:
             continue  # the thread exited meanwhile
         except OSError as exc:
             if exc.errno == errno.EINVAL:
-                raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                                  f"the CPUs of NUMA node {node} ({format_cpus(sorted(cpus))}) are not "
-                                  "allowed for this process (a cpuset or cgroup limit?)") from exc
+                raise KvPoolError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"the CPUs of NUMA node {node} ({format_cpus(sorted(cpus))}) are not "
+                    "allowed for this process (a cpuset or cgroup limit?)",
+                ) from exc
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"sched_setaffinity to node {node}: {exc}") from exc
 
 
@@ -296,12 +313,21 @@ def bind_memory(segment: MappedMemory, node: int) -> MemoryBinding:
     address, length = _mapping_address(segment.view), segment.size
     mask, maxnode = _nodemask(node)
     try:
-        _call("mbind", address, length, MPOL_BIND, ctypes.addressof(mask), maxnode,
-              MPOL_MF_STRICT | MPOL_MF_MOVE)
+        _call(
+            "mbind",
+            address,
+            length,
+            MPOL_BIND,
+            ctypes.addressof(mask),
+            maxnode,
+            MPOL_MF_STRICT | MPOL_MF_MOVE,
+        )
     except OSError as exc:
         hint = " (pages in use elsewhere could not be moved)" if exc.errno == errno.EIO else ""
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"mbind of {length} bytes at {address:#x} to NUMA node "
-                                                      f"{node} failed: {exc}{hint}") from exc
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"mbind of {length} bytes at {address:#x} to NUMA node {node} failed: {exc}{hint}",
+        ) from exc
     return _verify(address, length, node)
 
 
@@ -312,18 +338,28 @@ def _verify(address: int, length: int, node: int) -> MemoryBinding:
     except OSError:
         policy = ""
     if policy and policy != expected:
-        raise KvPoolError(ErrorCode.INTERNAL,
-                          f"after mbind the mapping at {address:#x} has policy {policy!r}, not {expected!r}")
+        raise KvPoolError(
+            ErrorCode.INTERNAL,
+            f"after mbind the mapping at {address:#x} has policy {policy!r}, not {expected!r}",
+        )
     where = page_nodes(address, length)
     resident = {a: n for a, n in where.items() if n >= 0}
     strays = {a: n for a, n in resident.items() if n != node}
     if strays:
         a, n = next(iter(strays.items()))
-        raise KvPoolError(ErrorCode.INTERNAL,
-                          f"after mbind {len(strays)} sampled pages are not on node {node} "
-                          f"(page {a:#x} is on node {n})")
-    logger.info("segment %#x (%d bytes) bound to NUMA node %d: %s, %d of %d sampled pages resident there",
-                address, length, node, policy or "numa_maps unreadable", len(resident), len(where))
+        raise KvPoolError(
+            ErrorCode.INTERNAL,
+            f"after mbind {len(strays)} sampled pages are not on node {node} (page {a:#x} is on node {n})",
+        )
+    logger.info(
+        "segment %#x (%d bytes) bound to NUMA node %d: %s, %d of %d sampled pages resident there",
+        address,
+        length,
+        node,
+        policy or "numa_maps unreadable",
+        len(resident),
+        len(where),
+    )
     return MemoryBinding(node, address, length, policy, len(where), len(resident))
 
 
@@ -380,8 +416,10 @@ def hugepages_available(size: str, bytes_needed: int = 0, node: int | None = Non
         wanted = f" for {bytes_needed} bytes" if bytes_needed else ""
         boot = " (1G pages are best reserved at boot: hugepagesz=1G hugepages=N)" if size == "1G" else ""
         fix = f"echo {total - free + needed} > {base}/nr_hugepages"
-        return False, (f"{needed} free {size} hugepages needed{where}{wanted}, but {free} of {total} "
-                       f"reserved are free; reserve more with `{fix}`{boot}")
+        return False, (
+            f"{needed} free {size} hugepages needed{where}{wanted}, but {free} of {total} "
+            f"reserved are free; reserve more with `{fix}`{boot}"
+        )
     return True, f"{free} of {total} {size} hugepages free{where} ({needed} needed)"
 
 
@@ -389,6 +427,8 @@ def require_hugepages(size: str, bytes_needed: int, node: int | None = None) -> 
     """Fail clearly (INVALID_ARGUMENT) unless ``bytes_needed`` of ``size`` hugepages are free: no fallback."""
     ok, reason = hugepages_available(size, bytes_needed, node)
     if not ok:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"hugepages {size} were asked for and cannot be provided: {reason} "
-                          "(kvpool never falls back to normal pages silently)")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"hugepages {size} were asked for and cannot be provided: {reason} "
+            "(kvpool never falls back to normal pages silently)",
+        )

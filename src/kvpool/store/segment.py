@@ -37,8 +37,9 @@ def new_segment_id() -> int:
 class ShmSegment:
     """One mapped shared-memory segment. ``view`` is a writable memoryview over all ``size`` bytes."""
 
-    def __init__(self, path: str, size: int, mapping: mmap.mmap, segment_id: int, owner: bool,
-                 hugepages: str = "") -> None:
+    def __init__(
+        self, path: str, size: int, mapping: mmap.mmap, segment_id: int, owner: bool, hugepages: str = ""
+    ) -> None:
         self.path = path
         self.size = size
         self.id = segment_id
@@ -50,8 +51,15 @@ class ShmSegment:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, directory: str, name: str, size: int, hugepages: str = "",
-               segment_id: int | None = None, replace: bool = False) -> ShmSegment:
+    def create(
+        cls,
+        directory: str,
+        name: str,
+        size: int,
+        hugepages: str = "",
+        segment_id: int | None = None,
+        replace: bool = False,
+    ) -> ShmSegment:
         """Create ``directory/name`` (mode 0600), size it and map it shared.
 
         ``hugepages`` is "", "2M" or "1G"; for the latter two ``directory`` must be a hugetlbfs mount with
@@ -78,8 +86,13 @@ class ShmSegment:
             raise
         os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
         seg_id = new_segment_id() if segment_id is None else segment_id
-        logger.info("created segment %x: %s, %d bytes%s", seg_id, path, size,
-                    f", {hugepages} hugepages" if hugepages else "")
+        logger.info(
+            "created segment %x: %s, %d bytes%s",
+            seg_id,
+            path,
+            size,
+            f", {hugepages} hugepages" if hugepages else "",
+        )
         return cls(path, size, mapping, seg_id, owner=True, hugepages=hugepages)
 
     @classmethod
@@ -94,8 +107,7 @@ class ShmSegment:
             if not stat.S_ISREG(st.st_mode):
                 raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{path} is not a regular file")
             if size <= 0 or st.st_size < size:
-                raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                                  f"segment {path} holds {st.st_size} bytes, {size} asked")
+                raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"segment {path} holds {st.st_size} bytes, {size} asked")
             mapping = _map(fd, size, path, "")
         finally:
             os.close(fd)
@@ -158,8 +170,10 @@ def _create_file(path: str) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except FileExistsError as exc:
-        raise KvPoolError(ErrorCode.SEGMENT_ALREADY_EXISTS,
-                          f"{path} exists (another store, or a leftover: remove it or pass replace)") from exc
+        raise KvPoolError(
+            ErrorCode.SEGMENT_ALREADY_EXISTS,
+            f"{path} exists (another store, or a leftover: remove it or pass replace)",
+        ) from exc
     except OSError as exc:
         raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"cannot create segment file {path}: {exc}") from exc
 
@@ -217,21 +231,26 @@ def _check_hugepages(directory: str, size: int, hugepages: str) -> None:
     """Refuse, with the reason, any hugepage request this machine cannot honour."""
     page = HUGEPAGE_BYTES.get(hugepages)
     if page is None:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"hugepages must be '', '2M' or '1G', got {hugepages!r}")
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"hugepages must be '', '2M' or '1G', got {hugepages!r}")
     mount_point, fstype, options = _mount_of(directory)
     if fstype != _HUGETLBFS:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"--hugepages {hugepages} needs a hugetlbfs mount, but {directory} is on "
-                          f"{fstype or 'an unknown fs'} "
-                          f"(mount -t hugetlbfs -o pagesize={hugepages} none DIR)")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"--hugepages {hugepages} needs a hugetlbfs mount, but {directory} is on "
+            f"{fstype or 'an unknown fs'} "
+            f"(mount -t hugetlbfs -o pagesize={hugepages} none DIR)",
+        )
     if _hugetlbfs_pagesize(options) != page:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"hugetlbfs at {mount_point} has options {options!r}, not pagesize={hugepages}")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"hugetlbfs at {mount_point} has options {options!r}, not pagesize={hugepages}",
+        )
     if size % page:
         raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"segment size {size} is not a multiple of {hugepages}")
     free = _free_hugepages(page)
     if free * page < size:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"{size // page} free {hugepages} hugepages needed, {free} available "
-                          f"(raise /sys/kernel/mm/hugepages/hugepages-{page // 1024}kB/nr_hugepages)")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"{size // page} free {hugepages} hugepages needed, {free} available "
+            f"(raise /sys/kernel/mm/hugepages/hugepages-{page // 1024}kB/nr_hugepages)",
+        )

@@ -21,8 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.common import envs
-from kvpool.common import tls
+from kvpool.common import envs, tls
 from kvpool.common.auth import TokenChecker, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import new_secret
@@ -60,8 +59,14 @@ class MasterLink:
             self.reset()  # a new leader is published: go there now, not after a timeout at the old one
         if self._channel is None:
             self._endpoint = self._resolve(2.0)
-            self._channel = tls.channel(self._endpoint, self._tls_ca, options=[
-                ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+            self._channel = tls.channel(
+                self._endpoint,
+                self._tls_ca,
+                options=[
+                    ("grpc.max_send_message_length", 1 << 30),
+                    ("grpc.max_receive_message_length", 1 << 30),
+                ],
+            )
         return pb_grpc.MasterServiceStub(self._channel)  # type: ignore[no-untyped-call]
 
     def _leader_moved(self) -> bool:
@@ -88,8 +93,10 @@ class MasterLink:
         if response.status.view < self._max_view:
             # A deposed leader answered (it was frozen past its lease): act on nothing it says.
             self.reset()
-            raise KvPoolError(ErrorCode.STALE_VIEW, f"{self._endpoint} answered with view "
-                                                    f"{response.status.view} < {self._max_view}")
+            raise KvPoolError(
+                ErrorCode.STALE_VIEW,
+                f"{self._endpoint} answered with view {response.status.view} < {self._max_view}",
+            )
         self._max_view = response.status.view
         if code in (ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP):
             self.reset()
@@ -145,12 +152,17 @@ class StoreServer:
 
             bind_memory(self.segment, cfg.numa_node)
         self.segment.prefault()
-        self.dataplane = DataPlaneServer(cfg.host, cfg.port, {self.segment.id: self.segment},
-                                         {self.segment.id: self._secret}, self.inventory,
-                                         max_connections=cfg.max_connections, store_info=self.info,
-                                         auth=TokenChecker.from_file(cfg.token_file),
-                                         limits=ClientLimits(cfg.max_connections_per_client,
-                                                             cfg.max_inflight_bytes_per_client))
+        self.dataplane = DataPlaneServer(
+            cfg.host,
+            cfg.port,
+            {self.segment.id: self.segment},
+            {self.segment.id: self._secret},
+            self.inventory,
+            max_connections=cfg.max_connections,
+            store_info=self.info,
+            auth=TokenChecker.from_file(cfg.token_file),
+            limits=ClientLimits(cfg.max_connections_per_client, cfg.max_inflight_bytes_per_client),
+        )
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
             self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
@@ -158,9 +170,16 @@ class StoreServer:
         self.dataplane.start()
         if cfg.metrics_port >= 0:
             self._metrics = MetricsServer(cfg.host, cfg.metrics_port, self.registry, self._health).start()
-        log.info("store %s on node %s: segment %d (%d bytes) at %s, data plane %s, metrics %s", self.store_id,
-                 self.node, self.segment.id, self.segment.size, self.segment.path, self.tcp_endpoint,
-                 self.metrics_endpoint or "off")
+        log.info(
+            "store %s on node %s: segment %d (%d bytes) at %s, data plane %s, metrics %s",
+            self.store_id,
+            self.node,
+            self.segment.id,
+            self.segment.size,
+            self.segment.path,
+            self.tcp_endpoint,
+            self.metrics_endpoint or "off",
+        )
 
     @property
     def tcp_endpoint(self) -> str:
@@ -174,24 +193,38 @@ class StoreServer:
     def info(self) -> dict[str, Any]:
         """What a client asking STORE_INFO learns (same-node clients map the segment from this)."""
         assert self.segment is not None
-        return {"store_id": self.store_id, "node": self.node, "pid": os.getpid(),
-                "segments": [{"id": self.segment.id, "size": self.segment.size, "shm_path": self.segment.path}]}
+        return {
+            "store_id": self.store_id,
+            "node": self.node,
+            "pid": os.getpid(),
+            "segments": [{"id": self.segment.id, "size": self.segment.size, "shm_path": self.segment.path}],
+        }
 
     def _segment_info(self) -> pb.SegmentInfo:
         assert self.segment is not None
-        return pb.SegmentInfo(id=self.segment.id, node=self.node, store_id=self.store_id, size=self.segment.size,
-                              tcp_endpoint=self.tcp_endpoint, shm_path=self.segment.path,
-                              status=pb.SEGMENT_OK, numa_node=self.config.numa_node)
+        return pb.SegmentInfo(
+            id=self.segment.id,
+            node=self.node,
+            store_id=self.store_id,
+            size=self.segment.size,
+            tcp_endpoint=self.tcp_endpoint,
+            shm_path=self.segment.path,
+            status=pb.SEGMENT_OK,
+            numa_node=self.config.numa_node,
+        )
 
     def mount(self, remount: bool) -> bool:
         """Mount (or re-mount with the inventory); False when the master is unreachable."""
         assert self.segment is not None
         if self.mover is not None:
             self.mover.fence()  # before the inventory snapshot: a copy planned by the old master is not kept
-        entries = [pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
-                   for e in self.inventory.entries(self.segment.id)]
-        request = pb.MountSegmentRequest(segment=self._segment_info(), secret=self._secret,
-                                         inventory=entries, remount=remount)
+        entries = [
+            pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
+            for e in self.inventory.entries(self.segment.id)
+        ]
+        request = pb.MountSegmentRequest(
+            segment=self._segment_info(), secret=self._secret, inventory=entries, remount=remount
+        )
         try:
             response = self._link.call("RemountSegment" if remount else "MountSegment", request, timeout=30.0)
         except KvPoolError as exc:
@@ -206,8 +239,12 @@ class StoreServer:
         self._mounted = True
         # A (re)mount starts a fresh free-notification stream on the master.
         self._freed_ack = 0
-        log.info("mounted with the master (%s): %d objects adopted, %d rejected",
-                 "remount" if remount else "first mount", response.adopted, response.rejected)
+        log.info(
+            "mounted with the master (%s): %d objects adopted, %d rejected",
+            "remount" if remount else "first mount",
+            response.adopted,
+            response.rejected,
+        )
         return True
 
     def heartbeat(self) -> None:
@@ -217,8 +254,7 @@ class StoreServer:
             self.mount(remount=len(self.inventory) > 0)
             return
         segment_ids = [self.segment.id] + ([self.tier.segment_id] if self.tier is not None else [])
-        request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=segment_ids,
-                                      freed_ack=self._freed_ack)
+        request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=segment_ids, freed_ack=self._freed_ack)
         try:
             response = self._link.call("Heartbeat", request, timeout=2.0)
         except KvPoolError as exc:
@@ -248,10 +284,14 @@ class StoreServer:
             # Drain/rebalance copies into this store; its own link, like the tier worker.
             # Store-to-store copies open data-plane connections too: they present the cluster token.
             self._mover_transport = TcpTransport(token=load_token(self.config.token_file))
-            self.mover = Mover(MasterLink(self.config.master, self.config.cluster, self.config.token_file,
-                                          self.config.tls_ca),
-                               self.store_id, self.segment, self._secret, self.inventory,
-                               transport=self._mover_transport)
+            self.mover = Mover(
+                MasterLink(self.config.master, self.config.cluster, self.config.token_file, self.config.tls_ca),
+                self.store_id,
+                self.segment,
+                self._secret,
+                self.inventory,
+                transport=self._mover_transport,
+            )
             self.mover.start()
         while not self._stop.wait(self.config.heartbeat_interval_s):
             self.heartbeat()
@@ -272,8 +312,11 @@ class StoreServer:
                 self.tier.unmount(self._link, self.store_id)
         if unmount and self._mounted and self.segment is not None:
             try:
-                self._link.call("UnmountSegment", pb.UnmountSegmentRequest(
-                    segment_id=self.segment.id, store_id=self.store_id), timeout=2.0)
+                self._link.call(
+                    "UnmountSegment",
+                    pb.UnmountSegmentRequest(segment_id=self.segment.id, store_id=self.store_id),
+                    timeout=2.0,
+                )
             except KvPoolError as exc:
                 log.warning("unmount failed (the master will expire this store): %s", exc)
         if self.dataplane is not None:
@@ -287,8 +330,12 @@ class StoreServer:
         self._link.reset()
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
-        return self._mounted, {"store_id": self.store_id, "node": self.node, "mounted": self._mounted,
-                               "objects": len(self.inventory)}
+        return self._mounted, {
+            "store_id": self.store_id,
+            "node": self.node,
+            "mounted": self._mounted,
+            "objects": len(self.inventory),
+        }
 
 
 class _StoreCollector(Collector):
@@ -310,8 +357,11 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvpool_store_bytes_read", "Bytes served to readers", value=s.bytes_read)
         yield CounterMetricFamily("kvpool_store_bytes_written", "Bytes written by clients", value=s.bytes_written)
         yield CounterMetricFamily("kvpool_store_requests", "Data-plane requests", value=s.requests)
-        yield CounterMetricFamily("kvpool_store_connections_rejected", "Connections refused (total or per-client "
-                                  "limit)", value=s.connections_rejected)
+        yield CounterMetricFamily(
+            "kvpool_store_connections_rejected",
+            "Connections refused (total or per-client limit)",
+            value=s.connections_rejected,
+        )
         errors = CounterMetricFamily("kvpool_store_errors", "Data-plane error replies by code", labels=["code"])
         for code, n in sorted(s.errors.items()):
             errors.add_metric([code], n)
@@ -330,8 +380,13 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
         if store.mount(remount=False) or store._stop.wait(0.25):
             break
     if ready_file:
-        info = {"tcp": store.tcp_endpoint, "metrics": store.metrics_endpoint, "node": store.node,
-                "store_id": store.store_id, "shm": store.segment.path if store.segment else ""}
+        info = {
+            "tcp": store.tcp_endpoint,
+            "metrics": store.metrics_endpoint,
+            "node": store.node,
+            "store_id": store.store_id,
+            "shm": store.segment.path if store.segment else "",
+        }
         Path(ready_file).write_text(json.dumps(info))
     store.run()
     return 0

@@ -101,7 +101,7 @@ def encode_record(kind: int, key: bytes, offset: int, length: int, value_checksu
 
 def parse_records(raw: bytes) -> tuple[list[tuple[int, SsdEntry]], int | None, str]:
     """Records of a journal: ([(kind, entry)], offset of the first damaged record or None, why)."""
-    if raw[:len(FILE_MAGIC)] != FILE_MAGIC:
+    if raw[: len(FILE_MAGIC)] != FILE_MAGIC:
         return [], 0, "not a journal (bad file header)"
     out: list[tuple[int, SsdEntry]] = []
     pos = len(FILE_MAGIC)
@@ -116,7 +116,7 @@ def parse_records(raw: bytes) -> tuple[list[tuple[int, SsdEntry]], int | None, s
             return out, pos, "truncated record"
         if _DIGEST.unpack_from(raw, end)[0] != xxhash.xxh3_64_intdigest(raw[pos:end]):
             return out, pos, "record digest mismatch"
-        out.append((kind, SsdEntry(raw[pos + RECORD.size:end], offset, length, value_checksum)))
+        out.append((kind, SsdEntry(raw[pos + RECORD.size : end], offset, length, value_checksum)))
         pos = end + _DIGEST.size
     return out, None, ""
 
@@ -155,8 +155,7 @@ class SsdTier:
         raw = path.read_bytes() if path.exists() else FILE_MAGIC
         records, damaged_at, why = parse_records(raw)
         if damaged_at is not None:
-            log.warning("SSD tier: journal %s damaged at byte %d (%s): ignoring the rest", path, damaged_at,
-                        why)
+            log.warning("SSD tier: journal %s damaged at byte %d (%s): ignoring the rest", path, damaged_at, why)
         dropped: list[tuple[int, str]] = []
         size = os.fstat(self._data_fd).st_size
         with self._lock:
@@ -180,8 +179,13 @@ class SsdTier:
             self._rewrite_journal()
         os.ftruncate(self._data_fd, self.capacity)  # sparse; also cuts what a smaller tier no longer holds
         if kept or dropped:
-            log.info("SSD tier %s: re-adopted %d objects (%d bytes), dropped %d", self.directory, kept,
-                     self._used, len(dropped))
+            log.info(
+                "SSD tier %s: re-adopted %d objects (%d bytes), dropped %d",
+                self.directory,
+                kept,
+                self._used,
+                len(dropped),
+            )
         return SsdScan(kept, dropped, damaged_at)
 
     def _check(self, entry: SsdEntry, data_size: int) -> str:
@@ -302,8 +306,9 @@ class SsdTier:
         """Replace the journal with one PUT record per live entry (written aside, then renamed)."""
         path = self.directory / JOURNAL_FILE
         temp = path.with_name(JOURNAL_FILE + ".new")
-        body = b"".join(encode_record(PUT, e.key, e.offset, e.length, e.checksum)
-                        for e in (self._entries[s] for s in self._starts))
+        body = b"".join(
+            encode_record(PUT, e.key, e.offset, e.length, e.checksum) for e in (self._entries[s] for s in self._starts)
+        )
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _pwrite_all(fd, memoryview(FILE_MAGIC + body), 0)
@@ -351,8 +356,9 @@ def _lock_directory(directory: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          f"SSD directory {directory} is used by another store ({exc})") from exc
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT, f"SSD directory {directory} is used by another store ({exc})"
+        ) from exc
     return fd
 
 

@@ -43,8 +43,9 @@ class Link(Protocol):
     def call(self, method: str, request: Any, timeout: float) -> Any: ...
 
 
-def serve_tier_read(sock: socket.socket, tier: SsdTier, secret: bytes, desc: TransferDesc, req_id: int,
-                    now_ms: int) -> tuple[ErrorCode, int]:
+def serve_tier_read(
+    sock: socket.socket, tier: SsdTier, secret: bytes, desc: TransferDesc, req_id: int, now_ms: int
+) -> tuple[ErrorCode, int]:
     """Serve one READ of an SSD-tier replica: (code, bytes sent). On a code other than OK nothing was sent
     and the caller replies with it; an OSError mid-send means the connection must close."""
     g = desc.grant
@@ -82,8 +83,17 @@ class TierStats:
 class TierWorker(threading.Thread):
     """Runs the master's tier tasks for one store (see the module docstring)."""
 
-    def __init__(self, link: Link, store_id: str, ssd: SsdTier, ssd_segment_id: int, segment: ShmSegment,
-                 inventory: Inventory, idle_s: float = 0.02, batch: int = 256) -> None:
+    def __init__(
+        self,
+        link: Link,
+        store_id: str,
+        ssd: SsdTier,
+        ssd_segment_id: int,
+        segment: ShmSegment,
+        inventory: Inventory,
+        idle_s: float = 0.02,
+        batch: int = 256,
+    ) -> None:
         super().__init__(name="kvpool-tier-worker", daemon=True)
         self._link = link
         self._store_id = store_id
@@ -106,8 +116,11 @@ class TierWorker(threading.Thread):
         failures = 0
         while not self._stop_event.is_set():
             try:
-                response = self._link.call("TierTasks", pb.TierTasksRequest(
-                    store_id=self._store_id, done=done, max_tasks=self._batch), timeout=5.0)
+                response = self._link.call(
+                    "TierTasks",
+                    pb.TierTasksRequest(store_id=self._store_id, done=done, max_tasks=self._batch),
+                    timeout=5.0,
+                )
             except KvPoolError as exc:
                 failures += 1
                 if failures >= 3:
@@ -157,7 +170,7 @@ class TierWorker(threading.Thread):
         seg = self._segment
         if segment_id != seg.id or offset < 0 or length <= 0 or offset + length > seg.size:
             return None
-        return seg.view[offset:offset + length]
+        return seg.view[offset : offset + length]
 
     def _demote(self, task: pb.TierTask) -> ErrorCode:
         src = self._dram(task.src_segment, task.src_offset, task.length)
@@ -187,11 +200,11 @@ class TierWorker(threading.Thread):
         finally:
             dest.release()
         if code == ErrorCode.OK:
-            self._inventory.record_part(task.dst_segment, task.dst_offset, task.length, key, task.checksum,
-                                        0, task.length)
+            self._inventory.record_part(
+                task.dst_segment, task.dst_offset, task.length, key, task.checksum, 0, task.length
+            )
             self.stats.promoted += 1
         return code
-
 
 
 class StoreTier:
@@ -216,16 +229,33 @@ class StoreTier:
 
     def segment_info(self, dram: pb.SegmentInfo) -> pb.SegmentInfo:
         """The SSD segment's description: the DRAM segment's store and endpoint, no shared memory."""
-        return pb.SegmentInfo(id=self.segment_id, node=dram.node, store_id=dram.store_id,
-                              size=self.ssd.capacity, tcp_endpoint=dram.tcp_endpoint, shm_path="",
-                              status=pb.SEGMENT_OK, numa_node=dram.numa_node, tier=1)
+        return pb.SegmentInfo(
+            id=self.segment_id,
+            node=dram.node,
+            store_id=dram.store_id,
+            size=self.ssd.capacity,
+            tcp_endpoint=dram.tcp_endpoint,
+            shm_path="",
+            status=pb.SEGMENT_OK,
+            numa_node=dram.numa_node,
+            tier=1,
+        )
 
     def mount(self, link: Link, dram: pb.SegmentInfo, remount: bool) -> bool:
         """Mount the SSD segment with its inventory (every object on the SSD, ``tier=1``)."""
-        entries = [pb.InventoryEntry(key=e.key.decode(errors="replace"), offset=e.offset, length=e.length,
-                                     checksum=e.checksum, tier=1) for e in self.ssd.entries()]
-        request = pb.MountSegmentRequest(segment=self.segment_info(dram), secret=self.secret,
-                                         inventory=entries, remount=remount)
+        entries = [
+            pb.InventoryEntry(
+                key=e.key.decode(errors="replace"),
+                offset=e.offset,
+                length=e.length,
+                checksum=e.checksum,
+                tier=1,
+            )
+            for e in self.ssd.entries()
+        ]
+        request = pb.MountSegmentRequest(
+            segment=self.segment_info(dram), secret=self.secret, inventory=entries, remount=remount
+        )
         try:
             response = link.call("RemountSegment" if remount else "MountSegment", request, timeout=30.0)
         except KvPoolError as exc:
@@ -235,8 +265,12 @@ class StoreTier:
         if code != ErrorCode.OK:
             log.warning("SSD tier mount refused: %s %s", code.name, response.status.message)
             return False
-        log.info("SSD tier %s mounted: %d objects adopted, %d rejected", self.ssd.directory, response.adopted,
-                 response.rejected)
+        log.info(
+            "SSD tier %s mounted: %d objects adopted, %d rejected",
+            self.ssd.directory,
+            response.adopted,
+            response.rejected,
+        )
         return True
 
     def unmount(self, link: Link, store_id: str) -> None:
@@ -257,7 +291,13 @@ class StoreTier:
 
     def metrics(self) -> dict[str, int]:
         stats = self.worker.stats if self.worker is not None else TierStats()
-        return {"ssd_objects": len(self.ssd), "ssd_used_bytes": self.ssd.used,
-                "ssd_capacity_bytes": self.ssd.capacity, "ssd_demoted": stats.demoted,
-                "ssd_demoted_bytes": stats.demoted_bytes, "ssd_promoted": stats.promoted,
-                "ssd_deleted": stats.deleted, "ssd_task_failures": stats.failed}
+        return {
+            "ssd_objects": len(self.ssd),
+            "ssd_used_bytes": self.ssd.used,
+            "ssd_capacity_bytes": self.ssd.capacity,
+            "ssd_demoted": stats.demoted,
+            "ssd_demoted_bytes": stats.demoted_bytes,
+            "ssd_promoted": stats.promoted,
+            "ssd_deleted": stats.deleted,
+            "ssd_task_failures": stats.failed,
+        }

@@ -41,8 +41,7 @@ def _client(args: argparse.Namespace) -> Any:
 
     master = args.master or envs.KVPOOL_MASTER.get()
     if not master:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                          "no cluster: pass --master or set KVPOOL_MASTER")
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no cluster: pass --master or set KVPOOL_MASTER")
     return MasterClient(master, token_file=args.token_file, cluster=args.cluster)
 
 
@@ -58,24 +57,43 @@ def nodes_doc(stats: pb.StatsResponse) -> dict[str, Any]:
     nodes = []
     for node, segs in sorted(by_node.items()):
         states = {_STATUS_NAMES.get(s.status, "UNKNOWN") for s in segs}
-        nodes.append({"node": node, "segments": len(segs),
-                      "status": states.pop() if len(states) == 1 else "MIXED",
-                      "capacity": sum(s.size for s in segs), "used": sum(s.used for s in segs),
-                      "objects": sum(s.objects for s in segs)})
+        nodes.append(
+            {
+                "node": node,
+                "segments": len(segs),
+                "status": states.pop() if len(states) == 1 else "MIXED",
+                "capacity": sum(s.size for s in segs),
+                "used": sum(s.used for s in segs),
+                "objects": sum(s.objects for s in segs),
+            }
+        )
     return {"nodes": nodes}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     s = _stats(args)
     lookups = s.hits + s.misses
-    doc = {"leader": s.leader, "role": s.role, "stores": len({seg.store_id for seg in s.segments}),
-           "segments": len(s.segments), "capacity": s.capacity, "used": s.used, "objects": s.objects,
-           "hit_rate": s.hits / lookups if lookups else 0.0, "evictions": s.evictions}
-    _emit(args, doc, lambda d: (
-        f"leader    {d['leader']} ({d['role']})\nstores    {d['stores']} ({d['segments']} segments)\n"
-        f"capacity  {format_size(d['capacity'])}, used {format_size(d['used'])} "
-        f"({d['used'] / d['capacity'] if d['capacity'] else 0:.1%})\nobjects   {d['objects']}\n"
-        f"hit rate  {d['hit_rate']:.1%}\nevicted   {d['evictions']} objects"))
+    doc = {
+        "leader": s.leader,
+        "role": s.role,
+        "stores": len({seg.store_id for seg in s.segments}),
+        "segments": len(s.segments),
+        "capacity": s.capacity,
+        "used": s.used,
+        "objects": s.objects,
+        "hit_rate": s.hits / lookups if lookups else 0.0,
+        "evictions": s.evictions,
+    }
+    _emit(
+        args,
+        doc,
+        lambda d: (
+            f"leader    {d['leader']} ({d['role']})\nstores    {d['stores']} ({d['segments']} segments)\n"
+            f"capacity  {format_size(d['capacity'])}, used {format_size(d['used'])} "
+            f"({d['used'] / d['capacity'] if d['capacity'] else 0:.1%})\nobjects   {d['objects']}\n"
+            f"hit rate  {d['hit_rate']:.1%}\nevicted   {d['evictions']} objects"
+        ),
+    )
     return 0
 
 
@@ -85,8 +103,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     def table(d: dict[str, Any]) -> str:
         lines = [f"{'NODE':<24} {'SEGS':>4} {'STATUS':<9} {'CAPACITY':>11} {'USED':>11} {'OBJECTS':>9}"]
         for n in d["nodes"]:
-            lines.append(f"{n['node']:<24} {n['segments']:>4} {n['status']:<9} {format_size(n['capacity']):>11} "
-                         f"{format_size(n['used']):>11} {n['objects']:>9}")
+            lines.append(
+                f"{n['node']:<24} {n['segments']:>4} {n['status']:<9} {format_size(n['capacity']):>11} "
+                f"{format_size(n['used']):>11} {n['objects']:>9}"
+            )
         return "\n".join(lines)
 
     _emit(args, doc, table)
@@ -95,8 +115,20 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     s = _stats(args)
-    doc = {name: getattr(s, name) for name in ("objects", "capacity", "used", "hits", "misses", "evictions",
-                                               "evicted_bytes", "puts", "reclaimed_puts")}
+    doc = {
+        name: getattr(s, name)
+        for name in (
+            "objects",
+            "capacity",
+            "used",
+            "hits",
+            "misses",
+            "evictions",
+            "evicted_bytes",
+            "puts",
+            "reclaimed_puts",
+        )
+    }
     _emit(args, doc, lambda d: "\n".join(f"{k:<16} {v}" for k, v in d.items()))
     return 0
 
@@ -111,14 +143,20 @@ def cmd_leader(args: argparse.Namespace) -> int:
     else:
         s = _stats(args)
         doc = {"leader": s.leader, "view": s.status.view, "followers": list(s.followers)}
-    _emit(args, doc, lambda d: f"leader {d['leader']} (view {d['view']})\n"
-                               f"followers {', '.join(d['followers']) or '-'}")
+    _emit(
+        args,
+        doc,
+        lambda d: f"leader {d['leader']} (view {d['view']})\nfollowers {', '.join(d['followers']) or '-'}",
+    )
     return 0
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    response = _client(args).call(frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=args.force, prefix=args.prefix),
-                                  Deadline(args.timeout))
+    response = _client(args).call(
+        frames.Op.REMOVE_ALL,
+        pb.RemoveAllRequest(force=args.force, prefix=args.prefix),
+        Deadline(args.timeout),
+    )
     doc = {"removed": response.removed, "prefix": args.prefix}
     _emit(args, doc, lambda d: f"removed {d['removed']} objects")
     return 0
@@ -140,12 +178,12 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 def _add_common(parser: argparse.ArgumentParser, suppress: bool, call_timeout: bool = True) -> None:
     """Options accepted before and after the command name (``kvpool-admin nodes --json`` both ways).
     ``call_timeout=False``: the command's own ``--timeout`` is how long it waits (drain, scale-in, ...)."""
+
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
     parser.add_argument("--master", default=default(""), help="master address (default: KVPOOL_MASTER)")
-    parser.add_argument("--cluster", default=default(envs.KVPOOL_CLUSTER.get()),
-                        help="cluster name (etcd key prefix)")
+    parser.add_argument("--cluster", default=default(envs.KVPOOL_CLUSTER.get()), help="cluster name (etcd key prefix)")
     parser.add_argument("--token-file", default=default(""), help="cluster token file (default: KVPOOL_TOKEN_FILE)")
     if call_timeout:
         parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds per call")
@@ -153,8 +191,9 @@ def _add_common(parser: argparse.ArgumentParser, suppress: bool, call_timeout: b
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool-admin", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvpool-admin", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_common(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (func, help_text) in COMMANDS.items():
@@ -172,8 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_UNREACHABLE = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.ETCD_ERROR, ErrorCode.SEGMENT_NOT_FOUND,
-                          ErrorCode.JOB_NOT_FOUND, *admin_ops.TRANSIENT})
+_UNREACHABLE = frozenset(
+    {
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.ETCD_ERROR,
+        ErrorCode.SEGMENT_NOT_FOUND,
+        ErrorCode.JOB_NOT_FOUND,
+        *admin_ops.TRANSIENT,
+    }
+)
 """Failures that mean "could not talk to the cluster" or "bad arguments" (no such node or job): exit 2.
 Every other failure is the operation's (exit 1)."""
 

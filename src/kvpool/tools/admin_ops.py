@@ -27,9 +27,17 @@ from kvpool.proto import master_pb2 as pb
 
 __all__ = ["COMMANDS", "TRANSIENT", "WAITING", "add_arguments"]
 
-TRANSIENT = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.NOT_LEADER,
-                       ErrorCode.LEADER_WARMING_UP, ErrorCode.STALE_VIEW, ErrorCode.RPC_FAILED,
-                       ErrorCode.CONNECTION_FAILED})
+TRANSIENT = frozenset(
+    {
+        ErrorCode.UNAVAILABLE,
+        ErrorCode.TIMEOUT,
+        ErrorCode.NOT_LEADER,
+        ErrorCode.LEADER_WARMING_UP,
+        ErrorCode.STALE_VIEW,
+        ErrorCode.RPC_FAILED,
+        ErrorCode.CONNECTION_FAILED,
+    }
+)
 """Codes a waiting command retries: a failover is in progress or the master is briefly unreachable."""
 POLL_S = 0.25
 DEFAULT_WAIT_S = 3600.0
@@ -83,8 +91,10 @@ class _Progress:
         total_bytes = job.bytes_moved + job.bytes_remaining
         fraction = job.objects_moved / objects if objects else 1.0
         bar = "#" * int(fraction * 30)
-        line = (f"{self._what} {job.node} [{bar:<30}] {job.objects_moved}/{objects} objects "
-                f"{format_size(job.bytes_moved)}/{format_size(total_bytes)} {job.seconds:.1f} s {job.state}")
+        line = (
+            f"{self._what} {job.node} [{bar:<30}] {job.objects_moved}/{objects} objects "
+            f"{format_size(job.bytes_moved)}/{format_size(total_bytes)} {job.seconds:.1f} s {job.state}"
+        )
         if self._tty:
             self._stream.write("\r" + line + "\x1b[K")
             self._drawn = True
@@ -99,24 +109,42 @@ class _Progress:
 
 
 def _job_doc(job: pb.DrainJobStatus) -> dict[str, Any]:
-    return {"node": job.node, "status": job.state, "objects_moved": job.objects_moved,
-            "bytes_moved": job.bytes_moved, "objects_remaining": job.objects_remaining,
-            "bytes_remaining": job.bytes_remaining, "in_flight": job.in_flight,
-            "seconds": round(job.seconds, 3), "message": job.message, "segments": list(job.segment_ids),
-            "failures": job.failures, "scale_in": job.remove}
+    return {
+        "node": job.node,
+        "status": job.state,
+        "objects_moved": job.objects_moved,
+        "bytes_moved": job.bytes_moved,
+        "objects_remaining": job.objects_remaining,
+        "bytes_remaining": job.bytes_remaining,
+        "in_flight": job.in_flight,
+        "seconds": round(job.seconds, 3),
+        "message": job.message,
+        "segments": list(job.segment_ids),
+        "failures": job.failures,
+        "scale_in": job.remove,
+    }
 
 
 def _final_doc(job: pb.DrainJobStatus) -> dict[str, Any]:
-    return {"node": job.node, "status": job.state, "objects_moved": job.objects_moved,
-            "bytes_moved": job.bytes_moved, "seconds": round(job.seconds, 3)}
+    return {
+        "node": job.node,
+        "status": job.state,
+        "objects_moved": job.objects_moved,
+        "bytes_moved": job.bytes_moved,
+        "seconds": round(job.seconds, 3),
+    }
 
 
 def _render_job(d: dict[str, Any]) -> str:
-    lines = [f"{d['node']}: {d['status']}  moved {d['objects_moved']} objects "
-             f"({format_size(d['bytes_moved'])}) in {d['seconds']:.1f} s"]
+    lines = [
+        f"{d['node']}: {d['status']}  moved {d['objects_moved']} objects "
+        f"({format_size(d['bytes_moved'])}) in {d['seconds']:.1f} s"
+    ]
     if "objects_remaining" in d:
-        lines.append(f"  remaining {d['objects_remaining']} ({format_size(d['bytes_remaining'])}), "
-                     f"{d['in_flight']} moves in flight, {d['failures']} failed")
+        lines.append(
+            f"  remaining {d['objects_remaining']} ({format_size(d['bytes_remaining'])}), "
+            f"{d['in_flight']} moves in flight, {d['failures']} failed"
+        )
     if d.get("message"):
         lines.append(f"  {d['message']}")
     return "\n".join(lines)
@@ -131,8 +159,9 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _wait(args: argparse.Namespace, master: _Master, node: str, done: set[str], what: str
-          ) -> tuple[int, pb.DrainJobStatus | None]:
+def _wait(
+    args: argparse.Namespace, master: _Master, node: str, done: set[str], what: str
+) -> tuple[int, pb.DrainJobStatus | None]:
     """Poll the job until a state in ``done``; (exit code, last status)."""
     deadline = time.monotonic() + args.wait_timeout
     progress = _Progress(sys.stderr, what)
@@ -145,12 +174,16 @@ def _wait(args: argparse.Namespace, master: _Master, node: str, done: set[str], 
             except KvPoolError as exc:
                 if exc.code == ErrorCode.JOB_NOT_FOUND:
                     progress.close()
-                    return _fail(f"the {what} of {node} is gone: cancelled (kvpool-admin undrain), or the "
-                                 "master restarted without etcd (jobs then live in its memory only)"), job
+                    return _fail(
+                        f"the {what} of {node} is gone: cancelled (kvpool-admin undrain), or the "
+                        "master restarted without etcd (jobs then live in its memory only)"
+                    ), job
                 if exc.code in TRANSIENT:
                     progress.close()
-                    return _fail(f"{what} of {node}: not finished after {args.wait_timeout:g} s "
-                                 f"(master unreachable: {exc.message}); it goes on in the background"), job
+                    return _fail(
+                        f"{what} of {node}: not finished after {args.wait_timeout:g} s "
+                        f"(master unreachable: {exc.message}); it goes on in the background"
+                    ), job
                 raise
             progress.update(job)
             if job.state in done:
@@ -159,13 +192,17 @@ def _wait(args: argparse.Namespace, master: _Master, node: str, done: set[str], 
                 return 0, job
             if job.state == "STALLED":
                 progress.close()
-                return _fail(f"{what} of {node} is stuck: {job.message}. It goes on in the background as "
-                             f"room appears; add capacity or run `kvpool-admin undrain {node}`"), job
+                return _fail(
+                    f"{what} of {node} is stuck: {job.message}. It goes on in the background as "
+                    f"room appears; add capacity or run `kvpool-admin undrain {node}`"
+                ), job
             if time.monotonic() >= deadline:
                 progress.close()
-                return _fail(f"{what} of {node}: not finished after {args.wait_timeout:g} s "
-                             f"({job.objects_remaining} objects left, state {job.state}); it goes on in the "
-                             "background"), job
+                return _fail(
+                    f"{what} of {node}: not finished after {args.wait_timeout:g} s "
+                    f"({job.objects_remaining} objects left, state {job.state}); it goes on in the "
+                    "background"
+                ), job
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         progress.close()
@@ -175,8 +212,9 @@ def _wait(args: argparse.Namespace, master: _Master, node: str, done: set[str], 
 
 def cmd_drain(args: argparse.Namespace, make_client: Callable[[argparse.Namespace], Any]) -> int:
     master = _Master(args, make_client)
-    response = master.call_retrying("Drain", pb.DrainRequest(node=args.node),
-                                    time.monotonic() + min(args.wait_timeout, 30.0))
+    response = master.call_retrying(
+        "Drain", pb.DrainRequest(node=args.node), time.monotonic() + min(args.wait_timeout, 30.0)
+    )
     if not args.wait:
         _emit(args, _job_doc(response.jobs[0]), _render_job)
         return 0
@@ -188,8 +226,9 @@ def cmd_drain(args: argparse.Namespace, make_client: Callable[[argparse.Namespac
 
 def cmd_scale_in(args: argparse.Namespace, make_client: Callable[[argparse.Namespace], Any]) -> int:
     master = _Master(args, make_client)
-    master.call_retrying("Drain", pb.DrainRequest(node=args.node, remove=True),
-                         time.monotonic() + min(args.wait_timeout, 30.0))
+    master.call_retrying(
+        "Drain", pb.DrainRequest(node=args.node, remove=True), time.monotonic() + min(args.wait_timeout, 30.0)
+    )
     code, job = _wait(args, master, args.node, {"REMOVED"}, "scale-in")
     if code == 0 and job is not None:
         doc = {**_final_doc(job), "message": f"{args.node} drained and unmounted: its store may stop now"}
@@ -213,16 +252,23 @@ def cmd_drain_status(args: argparse.Namespace, make_client: Callable[[argparse.N
 
 
 def _rebalance_doc(r: pb.RebalanceStatusResponse, spread_before: float) -> dict[str, Any]:
-    return {"status": r.state, "objects_moved": r.objects_moved, "bytes_moved": r.bytes_moved,
-            "spread_before": round(spread_before, 4), "spread": round(r.spread, 4),
-            "seconds": round(r.seconds, 3), "message": r.message}
+    return {
+        "status": r.state,
+        "objects_moved": r.objects_moved,
+        "bytes_moved": r.bytes_moved,
+        "spread_before": round(spread_before, 4),
+        "spread": round(r.spread, 4),
+        "seconds": round(r.seconds, 3),
+        "message": r.message,
+    }
 
 
 def cmd_rebalance(args: argparse.Namespace, make_client: Callable[[argparse.Namespace], Any]) -> int:
     master = _Master(args, make_client)
     deadline = time.monotonic() + args.wait_timeout
-    started = master.call_retrying("Rebalance", pb.RebalanceRequest(max_moves=args.max_moves,
-                                                                     tolerance=args.tolerance), deadline)
+    started = master.call_retrying(
+        "Rebalance", pb.RebalanceRequest(max_moves=args.max_moves, tolerance=args.tolerance), deadline
+    )
     spread_before = started.spread
     last = 0.0
     while True:
@@ -230,19 +276,29 @@ def cmd_rebalance(args: argparse.Namespace, make_client: Callable[[argparse.Name
         if r.state != "RUNNING":
             break
         if time.monotonic() >= deadline:
-            return _fail(f"rebalance not finished after {args.wait_timeout:g} s "
-                         f"({r.objects_moved} objects moved); it goes on in the background")
+            return _fail(
+                f"rebalance not finished after {args.wait_timeout:g} s "
+                f"({r.objects_moved} objects moved); it goes on in the background"
+            )
         if time.monotonic() - last >= 1.0:
             last = time.monotonic()
-            print(f"rebalance: {r.objects_moved} objects ({format_size(r.bytes_moved)}) moved, "
-                  f"spread {r.spread:.3f}, {r.seconds:.1f} s", file=sys.stderr)
+            print(
+                f"rebalance: {r.objects_moved} objects ({format_size(r.bytes_moved)}) moved, "
+                f"spread {r.spread:.3f}, {r.seconds:.1f} s",
+                file=sys.stderr,
+            )
         time.sleep(POLL_S)
     if r.state == "IDLE":
         return _fail("the rebalance was lost (a master failover); run it again")
-    _emit(args, _rebalance_doc(r, spread_before), lambda d: (
-        f"rebalance {d['status']}: {d['objects_moved']} objects ({format_size(d['bytes_moved'])}) moved in "
-        f"{d['seconds']:.1f} s; used-fraction spread {d['spread_before']:.3f} -> {d['spread']:.3f} "
-        f"({d['message']})"))
+    _emit(
+        args,
+        _rebalance_doc(r, spread_before),
+        lambda d: (
+            f"rebalance {d['status']}: {d['objects_moved']} objects ({format_size(d['bytes_moved'])}) moved in "
+            f"{d['seconds']:.1f} s; used-fraction spread {d['spread_before']:.3f} -> {d['spread']:.3f} "
+            f"({d['message']})"
+        ),
+    )
     return 0
 
 
@@ -271,9 +327,18 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     if name == "drain":
         p.add_argument("--wait", action="store_true", help="wait until DRAINED, with a progress bar")
     if name in WAITING:
-        p.add_argument("--timeout", dest="wait_timeout", type=float, default=DEFAULT_WAIT_S,
-                       help="seconds to wait for the end (default: 3600)")
+        p.add_argument(
+            "--timeout",
+            dest="wait_timeout",
+            type=float,
+            default=DEFAULT_WAIT_S,
+            help="seconds to wait for the end (default: 3600)",
+        )
     if name == "rebalance":
         p.add_argument("--max-moves", type=int, default=0, help="most objects to move (default: no limit)")
-        p.add_argument("--tolerance", type=float, default=0.05,
-                       help="stop when used fractions differ by at most this (default: 0.05)")
+        p.add_argument(
+            "--tolerance",
+            type=float,
+            default=0.05,
+            help="stop when used fractions differ by at most this (default: 0.05)",
+        )

@@ -47,11 +47,17 @@ class Workload:
     def __init__(self, master: str, value_bytes: int, cluster: str = "kvpool") -> None:
         from kvpool.client import ClientConfig, PoolClient
 
-        self._config = ClientConfig(master=master, use_shm=False, timeout_s=2.0, cluster=cluster,
-                                    breaker_backoff_s=0.1, breaker_max_backoff_s=0.5)
+        self._config = ClientConfig(
+            master=master,
+            use_shm=False,
+            timeout_s=2.0,
+            cluster=cluster,
+            breaker_backoff_s=0.1,
+            breaker_max_backoff_s=0.5,
+        )
         self.client = PoolClient(config=self._config)
         self.value_bytes = value_bytes
-        self.acked: dict[str, tuple[float, bytes]] = {}   # key -> (ack time, sha256 of the value)
+        self.acked: dict[str, tuple[float, bytes]] = {}  # key -> (ack time, sha256 of the value)
         self.read_ok_times: list[float] = []
         self.wrong_reads = 0
         self.reads = 0
@@ -65,7 +71,7 @@ class Workload:
         keys = [f"{prefix}-{i}" for i in range(count)]
         acked = 0
         for start in range(0, count, 32):
-            chunk = keys[start:start + 32]
+            chunk = keys[start : start + 32]
             values = [os.urandom(self.value_bytes) for _ in chunk]
             codes = self.client.batch_put_from(chunk, values)
             now = time.monotonic()
@@ -115,8 +121,10 @@ class Workload:
             time.sleep(0.02)
 
     def start(self) -> None:
-        self._threads = [threading.Thread(target=self._reader, daemon=True),
-                         threading.Thread(target=self._writer, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._reader, daemon=True),
+            threading.Thread(target=self._writer, daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -130,7 +138,7 @@ class Workload:
         keys = [k for k, (t, _) in self.acked.items() if t < acked_before]
         good = wrong = 0
         for start in range(0, len(keys), 64):
-            chunk = keys[start:start + 64]
+            chunk = keys[start : start + 64]
             for key, value in zip(chunk, self.client.batch_get(chunk, timeout=5.0), strict=True):
                 if value is None:
                     continue
@@ -179,8 +187,14 @@ def wait_for_leader(endpoints: list[str], timeout: float, exclude: str = "") -> 
     return ""
 
 
-def run_failover(cluster: Any, fault: str = "sigkill", objects: int = 400, value_bytes: int = 16 << 10,
-                 settle_s: float = 1.2, timeout: float = 30.0) -> FailoverResult:
+def run_failover(
+    cluster: Any,
+    fault: str = "sigkill",
+    objects: int = 400,
+    value_bytes: int = 16 << 10,
+    settle_s: float = 1.2,
+    timeout: float = 30.0,
+) -> FailoverResult:
     """Kill (or freeze) the leader of a running HA LocalCluster under load and measure."""
     endpoints = [m.address for m in cluster.masters]
     old = wait_for_leader(endpoints, timeout)
@@ -208,8 +222,19 @@ def run_failover(cluster: Any, fault: str = "sigkill", objects: int = 400, value
         if fault == "sigstop":
             cluster.signal(victim, signal.SIGCONT)
             notes.append("old leader resumed with SIGCONT")
-        return FailoverResult(fault, t_leader, first_read, good / checked if checked else 0.0, checked,
-                              workload.wrong_reads + wrong, workload.reads, workload.failed, old, new, notes)
+        return FailoverResult(
+            fault,
+            t_leader,
+            first_read,
+            good / checked if checked else 0.0,
+            checked,
+            workload.wrong_reads + wrong,
+            workload.reads,
+            workload.failed,
+            old,
+            new,
+            notes,
+        )
     finally:
         workload.stop()
         workload.close()
@@ -229,8 +254,9 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     for i in range(args.runs):
-        with LocalCluster(stores=2, store_size="64MiB", ha=True,
-                          master_args=("--leader-ttl-s", str(args.leader_ttl_s))) as cluster:
+        with LocalCluster(
+            stores=2, store_size="64MiB", ha=True, master_args=("--leader-ttl-s", str(args.leader_ttl_s))
+        ) as cluster:
             results.append(run_failover(cluster, objects=args.objects))
             print(f"run {i + 1}: {asdict(results[-1])}", file=sys.stderr)
     doc = {

@@ -42,9 +42,16 @@ def hicache_key(i: int) -> str:
 
 def mount_fake_segment(grpc_endpoint: str, size: int) -> None:
     """Mount a segment whose data plane nobody will use: enough for metadata-only benchmarks."""
-    segment = pb.SegmentInfo(id=int.from_bytes(os.urandom(7), "little"), node="bench", store_id=uuid.uuid4().hex,
-                             size=size, tcp_endpoint="127.0.0.1:9", shm_path="", status=pb.SEGMENT_OK,
-                             numa_node=-1)
+    segment = pb.SegmentInfo(
+        id=int.from_bytes(os.urandom(7), "little"),
+        node="bench",
+        store_id=uuid.uuid4().hex,
+        size=size,
+        tcp_endpoint="127.0.0.1:9",
+        shm_path="",
+        status=pb.SEGMENT_OK,
+        numa_node=-1,
+    )
     with grpc.insecure_channel(grpc_endpoint, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
         stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
         response = stub.MountSegment(pb.MountSegmentRequest(segment=segment, secret=new_secret()), timeout=30)
@@ -56,11 +63,17 @@ def fill(master: Any, keys: list[str], batch: int = 1000, progress: bool = False
     """put_start + put_end for every key (metadata only)."""
     config = pb.PutConfig(replica_num=1)
     for start in range(0, len(keys), batch):
-        chunk = keys[start:start + batch]
-        master.call(frames.Op.BATCH_PUT_START, pb.BatchPutStartRequest(
-            client_id="bench", keys=chunk, sizes=[OBJECT_BYTES] * len(chunk), config=config), Deadline(60))
-        master.call(frames.Op.BATCH_PUT_END, pb.BatchPutEndRequest(
-            client_id="bench", keys=chunk, checksums=[0] * len(chunk)), Deadline(60))
+        chunk = keys[start : start + batch]
+        master.call(
+            frames.Op.BATCH_PUT_START,
+            pb.BatchPutStartRequest(client_id="bench", keys=chunk, sizes=[OBJECT_BYTES] * len(chunk), config=config),
+            Deadline(60),
+        )
+        master.call(
+            frames.Op.BATCH_PUT_END,
+            pb.BatchPutEndRequest(client_id="bench", keys=chunk, checksums=[0] * len(chunk)),
+            Deadline(60),
+        )
         if progress and (start // batch) % 50 == 0:
             print(f"  indexed {start + len(chunk):,}/{len(keys):,}", file=sys.stderr)
 
@@ -75,8 +88,11 @@ def _rate(seconds: float, fn: Callable[[], int]) -> tuple[float, float, float]:
         units += fn()
         latencies.append(time.perf_counter() - started)
     latencies.sort()
-    return (units / sum(latencies), latencies[len(latencies) // 2] * 1e6,
-            latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e6)
+    return (
+        units / sum(latencies),
+        latencies[len(latencies) // 2] * 1e6,
+        latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e6,
+    )
 
 
 def measure_hot_path(grpc_endpoint: str, keys: list[str], seconds: float) -> list[dict[str, Any]]:
@@ -87,10 +103,11 @@ def measure_hot_path(grpc_endpoint: str, keys: list[str], seconds: float) -> lis
 
     def add(op: str, transport: str, batch: int, fn: Callable[[], int]) -> None:
         per_s, p50, p99 = _rate(seconds, fn)
-        rows.append({"op": op, "transport": transport, "batch": batch, "per_s": per_s, "p50_us": p50,
-                     "p99_us": p99})
-        print(f"  {op:<14} {transport:<6} batch {batch:<5} {per_s:>12,.0f}/s  p50 {p50:7.1f} us  "
-              f"p99 {p99:7.1f} us", file=sys.stderr)
+        rows.append({"op": op, "transport": transport, "batch": batch, "per_s": per_s, "p50_us": p50, "p99_us": p99})
+        print(
+            f"  {op:<14} {transport:<6} batch {batch:<5} {per_s:>12,.0f}/s  p50 {p50:7.1f} us  p99 {p99:7.1f} us",
+            file=sys.stderr,
+        )
 
     one = pb.BatchExistsRequest(keys=[keys[0]])
     thousand = pb.BatchExistsRequest(keys=keys[:1000])
@@ -101,9 +118,24 @@ def measure_hot_path(grpc_endpoint: str, keys: list[str], seconds: float) -> lis
         stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
         add("exists", "grpc", 1, lambda: (stub.BatchExists(one, timeout=5), 1)[1])
         add("exists", "grpc", 1000, lambda: (stub.BatchExists(thousand, timeout=5), 1000)[1])
-    add("exists", "framed", 1000, lambda: (master.call(frames.Op.BATCH_EXISTS, thousand, Deadline(5)), 1000)[1])
-    add("prefix_length", "framed", 512, lambda: (master.call(frames.Op.BATCH_EXISTS, prompt, Deadline(5)), 512)[1])
-    add("get_replicas", "framed", 512, lambda: (master.call(frames.Op.BATCH_GET_REPLICAS, get, Deadline(5)), 512)[1])
+    add(
+        "exists",
+        "framed",
+        1000,
+        lambda: (master.call(frames.Op.BATCH_EXISTS, thousand, Deadline(5)), 1000)[1],
+    )
+    add(
+        "prefix_length",
+        "framed",
+        512,
+        lambda: (master.call(frames.Op.BATCH_EXISTS, prompt, Deadline(5)), 512)[1],
+    )
+    add(
+        "get_replicas",
+        "framed",
+        512,
+        lambda: (master.call(frames.Op.BATCH_GET_REPLICAS, get, Deadline(5)), 512)[1],
+    )
     master.close()
     return rows
 
@@ -132,8 +164,19 @@ def _start_master() -> Any:
 
     # Eviction off (watermark 1.0) and no store expiry (the fake store never heartbeats): the benchmark
     # must keep every object it indexed.
-    return LocalCluster(stores=0, master_args=("--eviction-high-watermark", "1.0", "--eviction-target", "1.0",
-                                               "--lease-ttl-s", "3600", "--store-ttl-s", "24h")).start()
+    return LocalCluster(
+        stores=0,
+        master_args=(
+            "--eviction-high-watermark",
+            "1.0",
+            "--eviction-target",
+            "1.0",
+            "--lease-ttl-s",
+            "3600",
+            "--store-ttl-s",
+            "24h",
+        ),
+    ).start()
 
 
 def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -167,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
     else:
         for r in rows:
-            print(f"{r['op']:<14} {r['transport']:<6} batch {r['batch']:<5} {r['per_s']:>12,.0f}/s  "
-                  f"p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us")
+            print(
+                f"{r['op']:<14} {r['transport']:<6} batch {r['batch']:<5} {r['per_s']:>12,.0f}/s  "
+                f"p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us"
+            )
         print(f"single-key round trips: framed is {doc['framed_vs_grpc_single']:.1f}x gRPC")
     return 0
 
@@ -198,17 +243,26 @@ def run_memory(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
     per_object = (rss_after - rss_before) / max(1, objects - len(small))
-    speed = {f"{r['op']}/{r['transport']}/{r['batch']}": (r["per_s"], b["per_s"])
-             for r, b in zip(lookup_small, lookup_big, strict=True)}
-    doc = {"objects": objects, "rss_bytes": rss_after, "rss_bytes_per_object": per_object,
-           "index_seconds": fill_seconds,
-           "lookups": {k: {"at_10k_per_s": a, "at_n_per_s": b, "ratio": b / a} for k, (a, b) in speed.items()}}
+    speed = {
+        f"{r['op']}/{r['transport']}/{r['batch']}": (r["per_s"], b["per_s"])
+        for r, b in zip(lookup_small, lookup_big, strict=True)
+    }
+    doc = {
+        "objects": objects,
+        "rss_bytes": rss_after,
+        "rss_bytes_per_object": per_object,
+        "index_seconds": fill_seconds,
+        "lookups": {k: {"at_10k_per_s": a, "at_n_per_s": b, "ratio": b / a} for k, (a, b) in speed.items()},
+    }
     if args.json:
         print(json.dumps(doc))
     else:
-        print(f"{objects:,} objects: master RSS {rss_after / 2**20:.0f} MiB, {per_object:.0f} bytes per object "
-              f"(target <= 400)")
+        print(
+            f"{objects:,} objects: master RSS {rss_after / 2**20:.0f} MiB, {per_object:.0f} bytes per object "
+            f"(target <= 400)"
+        )
         for k, v in doc["lookups"].items():  # type: ignore[attr-defined]
-            print(f"  {k:<28} {v['at_10k_per_s']:>12,.0f}/s at 10k  {v['at_n_per_s']:>12,.0f}/s at N "
-                  f"({v['ratio']:.2f}x)")
+            print(
+                f"  {k:<28} {v['at_10k_per_s']:>12,.0f}/s at 10k  {v['at_n_per_s']:>12,.0f}/s at N ({v['ratio']:.2f}x)"
+            )
     return 0

@@ -108,12 +108,22 @@ def utilisation(name: str, draw: Any, segment: int, rounds: int, seed: int) -> U
 
 
 def utilisation_suite(segment: int, rounds: int, seed: int) -> list[UtilisationResult]:
-    out = [utilisation(f"uniform {name}", lambda _r, s=size: s, segment, rounds, seed)
-           for name, size in UNIFORM_SIZES.items()]
-    out.append(utilisation("mixed: KV pages of 6 sizes (64 KiB .. 2 MiB)", lambda r: r.choice(PAGE_MIX),
-                           segment, rounds, seed))
-    out.append(utilisation("mixed: uniform random 1 KiB .. 1 MiB", lambda r: r.randint(KiB, MiB), segment,
-                           rounds, seed))
+    out = [
+        utilisation(f"uniform {name}", lambda _r, s=size: s, segment, rounds, seed)
+        for name, size in UNIFORM_SIZES.items()
+    ]
+    out.append(
+        utilisation(
+            "mixed: KV pages of 6 sizes (64 KiB .. 2 MiB)",
+            lambda r: r.choice(PAGE_MIX),
+            segment,
+            rounds,
+            seed,
+        )
+    )
+    out.append(
+        utilisation("mixed: uniform random 1 KiB .. 1 MiB", lambda r: r.randint(KiB, MiB), segment, rounds, seed)
+    )
     return out
 
 
@@ -136,8 +146,15 @@ class _Stream:
             self.mount(sid)
 
     def mount(self, sid: int) -> None:
-        spec = SegmentSpec(sid, f"node{sid}", f"store{sid}", self.segment_size, f"10.0.0.{sid}:1", "",
-                           sid.to_bytes(4, "little") * 8)
+        spec = SegmentSpec(
+            sid,
+            f"node{sid}",
+            f"store{sid}",
+            self.segment_size,
+            f"10.0.0.{sid}:1",
+            "",
+            sid.to_bytes(4, "little") * 8,
+        )
         assert self.state.mount_segment(spec).code == ErrorCode.OK
 
     def put(self) -> None:
@@ -154,8 +171,15 @@ class _Stream:
         return {s.id: s.used / s.size for s in self.state.segments()}
 
 
-def converge(policy: str, segments: int, segment_size: int, object_size: int, tolerance: float, seed: int,
-             cap_capacities: float = 20.0) -> ConvergenceResult:
+def converge(
+    policy: str,
+    segments: int,
+    segment_size: int,
+    object_size: int,
+    tolerance: float,
+    seed: int,
+    cap_capacities: float = 20.0,
+) -> ConvergenceResult:
     stream = _Stream(policy, segments, segment_size, object_size, seed)
     per_segment = segment_size // object_size
     for _ in range(3 * segments * per_segment):  # steady state: the pool has been rewritten a few times
@@ -185,8 +209,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="churn rounds per allocator test (20)")
     parser.add_argument("--segments", type=int, default=4, help="segments before the new one (4)")
     parser.add_argument("--objects-per-segment", type=int, default=512, help="capacity of each (512)")
-    parser.add_argument("--tolerance", type=float, default=0.05,
-                        help="'filled up': within this (absolute) of the others' used fraction")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="'filled up': within this (absolute) of the others' used fraction",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="random placement runs (median reported)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -196,37 +224,55 @@ def run(args: argparse.Namespace) -> int:
     object_size = 64 * KiB
     segment_size = args.objects_per_segment * object_size
     results = [converge("free_ratio_first", args.segments, segment_size, object_size, args.tolerance, 0)]
-    randoms = [converge("random", args.segments, segment_size, object_size, args.tolerance, seed)
-               for seed in range(args.seeds)]
+    randoms = [
+        converge("random", args.segments, segment_size, object_size, args.tolerance, seed) for seed in range(args.seeds)
+    ]
     ranked = sorted(randoms, key=lambda r: sys.maxsize if r.objects_written is None else r.objects_written)
     results.append(ranked[len(ranked) // 2])
     if args.json:
-        print(json.dumps({"utilisation": [asdict(u) for u in util],
-                          "convergence": [asdict(r) for r in results],
-                          "random_runs": [r.objects_written for r in randoms]}))
+        print(
+            json.dumps(
+                {
+                    "utilisation": [asdict(u) for u in util],
+                    "convergence": [asdict(r) for r in results],
+                    "random_runs": [r.objects_written for r in randoms],
+                }
+            )
+        )
         return 0
-    print("allocator utilisation (requested bytes live at an allocation failure / segment size, "
-          f"{args.segment_mib} MiB segment, {args.rounds} churn rounds)")
+    print(
+        "allocator utilisation (requested bytes live at an allocation failure / segment size, "
+        f"{args.segment_mib} MiB segment, {args.rounds} churn rounds)"
+    )
     print(f"  {'':50}{'mean':>8}{'min':>8}{'ops/s':>12}")
     for u in util:
         print(f"  {u.name:50}{u.mean:>8.3f}{u.minimum:>8.3f}{u.allocations_per_s:>12,.0f}")
     capacity = (args.segments + 1) * args.objects_per_segment
-    print(f"\nnew segment fill-up: {args.segments} full segments + 1 new, {args.objects_per_segment} objects "
-          f"each (pool capacity {capacity:,} objects), until within {args.tolerance:.0%} of the others")
+    print(
+        f"\nnew segment fill-up: {args.segments} full segments + 1 new, {args.objects_per_segment} objects "
+        f"each (pool capacity {capacity:,} objects), until within {args.tolerance:.0%} of the others"
+    )
     for r in results:
         label = r.policy + (f" (median of {args.seeds} seeds)" if r.policy == "random" else "")
         if r.objects_written is None:
-            print(f"  {label:36} not within tolerance after {20 * capacity:,} objects "
-                  f"(new {r.new_fraction:.2f}, others {r.others_fraction:.2f})")
+            print(
+                f"  {label:36} not within tolerance after {20 * capacity:,} objects "
+                f"(new {r.new_fraction:.2f}, others {r.others_fraction:.2f})"
+            )
         else:
-            print(f"  {label:36} {r.objects_written:>8,} objects written = {r.pool_capacities:.2f} pool "
-                  f"capacities (new {r.new_fraction:.2f}, others {r.others_fraction:.2f})")
+            print(
+                f"  {label:36} {r.objects_written:>8,} objects written = {r.pool_capacities:.2f} pool "
+                f"capacities (new {r.new_fraction:.2f}, others {r.others_fraction:.2f})"
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool bench placement", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvpool bench placement",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

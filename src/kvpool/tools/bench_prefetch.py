@@ -36,12 +36,23 @@ TARGET_CALLER_P99_MS = 1.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
     parser.add_argument("--pages", type=int, default=128, help="pages in the shared prefix (default 128)")
-    parser.add_argument("--object-size", default="128KiB", help="bytes of one page object; a page is a k and "
-                                                                "a v object (default 128KiB)")
-    parser.add_argument("--compute-ms", type=float, default=0.0,
-                        help="simulated compute per run (default: 2x the measured transfer time)")
-    parser.add_argument("--compute", choices=("sleep", "busy"), default="sleep",
-                        help="sleep (accelerator-like: CPU idle) or busy (one core hashing, GIL released)")
+    parser.add_argument(
+        "--object-size",
+        default="128KiB",
+        help="bytes of one page object; a page is a k and a v object (default 128KiB)",
+    )
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=0.0,
+        help="simulated compute per run (default: 2x the measured transfer time)",
+    )
+    parser.add_argument(
+        "--compute",
+        choices=("sleep", "busy"),
+        default="sleep",
+        help="sleep (accelerator-like: CPU idle) or busy (one core hashing, GIL released)",
+    )
     parser.add_argument("--poll-ms", type=float, default=1.0, help="scheduler poll interval (default 1 ms)")
     parser.add_argument("--runs", type=int, default=7, help="runs; medians are reported (default 7)")
     parser.add_argument("--io-threads", type=int, default=2, help="EngineClient I/O threads (default 2)")
@@ -101,7 +112,7 @@ def _seed_prefix(pool: Any, engine: Any, pages: int, object_size: int) -> tuple[
     objects = engine.object_keys(keys)
     step = 32
     for lo in range(0, len(objects), step):
-        codes = pool.batch_put_from(objects[lo:lo + step], values[lo:lo + step], timeout=30)
+        codes = pool.batch_put_from(objects[lo : lo + step], values[lo : lo + step], timeout=30)
         if any(c != 0 for c in codes):
             raise RuntimeError(f"writing the shared prefix failed: {sorted(set(codes))}")
     return keys, values
@@ -118,8 +129,15 @@ def _fetch_alone(engine: Any, keys: list[str], dests: list[bytearray], runs: int
     return times
 
 
-def _overlapped_run(engine: Any, keys: list[str], dests: list[bytearray], compute: _Compute,
-                    compute_s: float, poll_s: float, caller: list[float]) -> tuple[float, float, int]:
+def _overlapped_run(
+    engine: Any,
+    keys: list[str],
+    dests: list[bytearray],
+    compute: _Compute,
+    compute_s: float,
+    poll_s: float,
+    caller: list[float],
+) -> tuple[float, float, int]:
     """One request: prefetch, compute while polling, wait. Returns (fetch s, wait s, pages)."""
     started = time.perf_counter()
     t0 = time.perf_counter()
@@ -144,8 +162,13 @@ def measure(master: str, args: argparse.Namespace) -> Result:
 
     object_size = parse_size(args.object_size)
     pool = PoolClient(master)
-    engine = EngineClient(pool, Namespace(model="bench-prefetch"), page_size=64, page_bytes=object_size,
-                          io_threads=args.io_threads)
+    engine = EngineClient(
+        pool,
+        Namespace(model="bench-prefetch"),
+        page_size=64,
+        page_bytes=object_size,
+        io_threads=args.io_threads,
+    )
     try:
         keys, values = _seed_prefix(pool, engine, args.pages, object_size)
         dests = [bytearray(object_size) for _ in values]
@@ -164,8 +187,7 @@ def measure(master: str, args: argparse.Namespace) -> Result:
         caller: list[float] = []
         fetches, waits, hidden, pages = [], [], [], []
         for _ in range(args.runs):
-            fetch_s, wait_s, n = _overlapped_run(engine, keys, dests, compute, compute_s, args.poll_ms / 1000,
-                                                 caller)
+            fetch_s, wait_s, n = _overlapped_run(engine, keys, dests, compute, compute_s, args.poll_ms / 1000, caller)
             fetches.append(fetch_s)
             waits.append(wait_s)
             pages.append(n)
@@ -185,10 +207,14 @@ def measure(master: str, args: argparse.Namespace) -> Result:
         caller_max_ms=round(max(caller) * 1000, 4),
         caller_calls=len(caller),
         lookup_ms=round(statistics.median(lookups) * 1000, 3),
-        pages=len(keys), bytes=total, fetch_alone_gbps=round(total / alone / 1e9, 3),
-        compute=args.compute, runs=args.runs, pages_fetched=min(pages))
-    result.meets_targets = (result.hidden_fraction >= TARGET_HIDDEN
-                            and result.caller_p99_ms < TARGET_CALLER_P99_MS)
+        pages=len(keys),
+        bytes=total,
+        fetch_alone_gbps=round(total / alone / 1e9, 3),
+        compute=args.compute,
+        runs=args.runs,
+        pages_fetched=min(pages),
+    )
+    result.meets_targets = result.hidden_fraction >= TARGET_HIDDEN and result.caller_p99_ms < TARGET_CALLER_P99_MS
     return result
 
 
@@ -203,21 +229,30 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(result)))
     else:
-        print(f"prefix {result.pages} pages, {result.bytes / 2**20:.1f} MiB; transfer alone "
-              f"{result.fetch_alone_ms:.1f} ms ({result.fetch_alone_gbps:.2f} GB/s); "
-              f"lookup {result.lookup_ms:.2f} ms")
-        print(f"compute {result.compute_ms:.1f} ms ({result.compute}): transfer {result.fetch_ms:.1f} ms, "
-              f"exposed wait {result.wait_ms:.2f} ms -> hidden fraction {result.hidden_fraction:.3f} "
-              f"(target >= {TARGET_HIDDEN})")
-        print(f"engine-thread calls: p50 {result.caller_p50_ms:.4f} ms, p99 {result.caller_p99_ms:.4f} ms, "
-              f"max {result.caller_max_ms:.3f} ms over {result.caller_calls} calls "
-              f"(target p99 < {TARGET_CALLER_P99_MS} ms)")
+        print(
+            f"prefix {result.pages} pages, {result.bytes / 2**20:.1f} MiB; transfer alone "
+            f"{result.fetch_alone_ms:.1f} ms ({result.fetch_alone_gbps:.2f} GB/s); "
+            f"lookup {result.lookup_ms:.2f} ms"
+        )
+        print(
+            f"compute {result.compute_ms:.1f} ms ({result.compute}): transfer {result.fetch_ms:.1f} ms, "
+            f"exposed wait {result.wait_ms:.2f} ms -> hidden fraction {result.hidden_fraction:.3f} "
+            f"(target >= {TARGET_HIDDEN})"
+        )
+        print(
+            f"engine-thread calls: p50 {result.caller_p50_ms:.4f} ms, p99 {result.caller_p99_ms:.4f} ms, "
+            f"max {result.caller_max_ms:.3f} ms over {result.caller_calls} calls "
+            f"(target p99 < {TARGET_CALLER_P99_MS} ms)"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool bench prefetch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvpool bench prefetch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

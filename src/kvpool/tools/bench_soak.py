@@ -33,10 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stores", type=int, default=2, help="stores (default 2)")
     parser.add_argument("--store-size", default="128MiB", help="segment size of each store (default 128MiB)")
     parser.add_argument("--value-bytes", type=int, default=16 << 10, help="object size (default 16 KiB)")
-    parser.add_argument("--timeout", type=float, default=2.0,
-                        help="deadline of every client call (default 2 s)")
-    parser.add_argument("--restart-at", type=float, default=0.5,
-                        help="kill and restart a store at this fraction of the run (default 0.5; <0 = never)")
+    parser.add_argument("--timeout", type=float, default=2.0, help="deadline of every client call (default 2 s)")
+    parser.add_argument(
+        "--restart-at",
+        type=float,
+        default=0.5,
+        help="kill and restart a store at this fraction of the run (default 0.5; <0 = never)",
+    )
     parser.add_argument("--dir", default="", help="cluster directory (default: a temp dir, removed after)")
     parser.add_argument("--json", action="store_true", help="print the JSON summary only")
 
@@ -90,12 +93,38 @@ def _spawn_clients(args: argparse.Namespace, master: str, base: Path) -> list[Cl
     clients = []
     for i in range(args.clients):
         out = base / f"client-{i}.json"
-        cmd = [sys.executable, "-m", "kvpool.tools.workload", "--master", master, "--prefix", f"c{i}",
-               "--threads", str(args.threads), "--duration", str(args.duration), "--value-bytes",
-               str(args.value_bytes), "--timeout", str(args.timeout), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpool.tools.workload",
+            "--master",
+            master,
+            "--prefix",
+            f"c{i}",
+            "--threads",
+            str(args.threads),
+            "--duration",
+            str(args.duration),
+            "--value-bytes",
+            str(args.value_bytes),
+            "--timeout",
+            str(args.timeout),
+            "--out",
+            str(out),
+        ]
         log = open(base / f"client-{i}.log", "wb")  # noqa: SIM115 - closed with the process below
-        clients.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True), out))
+        clients.append(
+            (
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                ),
+                out,
+            )
+        )
         log.close()  # the child holds its own descriptor
     return clients
 
@@ -129,8 +158,9 @@ def soak(args: argparse.Namespace, base: Path) -> dict[str, Any]:
 
     # Short store expiry and put reclaim: the killed store's objects turn into clean misses quickly.
     master_args = ("--store-ttl-s", "3", "--put-timeout-s", "5")
-    with LocalCluster(stores=args.stores, store_size=args.store_size, base_dir=base / "cluster",
-                      master_args=master_args) as cluster:
+    with LocalCluster(
+        stores=args.stores, store_size=args.store_size, base_dir=base / "cluster", master_args=master_args
+    ) as cluster:
         watcher = RssWatcher(cluster)
         watcher.start()
         clients = _spawn_clients(args, cluster.master, base)
@@ -146,9 +176,14 @@ def soak(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                     proc.wait()
             watcher.stop()
     hist = total.histogram()
-    return {"ops": total.ops, "errors": dict(sorted(total.errors.items())), "wrong_reads": total.wrong_reads,
-            "p50_us": round(hist.percentile(50), 1), "p99_us": round(hist.percentile(99), 1),
-            "peak_rss_bytes": dict(sorted(watcher.peaks.items()))}
+    return {
+        "ops": total.ops,
+        "errors": dict(sorted(total.errors.items())),
+        "wrong_reads": total.wrong_reads,
+        "p50_us": round(hist.percentile(50), 1),
+        "p99_us": round(hist.percentile(99), 1),
+        "peak_rss_bytes": dict(sorted(watcher.peaks.items())),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print(f"soak {args.duration:.0f} s, {args.clients} client processes x {args.threads} threads, "
-              f"{args.stores} stores (one killed and restarted at {args.restart_at:.0%}):")
+        print(
+            f"soak {args.duration:.0f} s, {args.clients} client processes x {args.threads} threads, "
+            f"{args.stores} stores (one killed and restarted at {args.restart_at:.0%}):"
+        )
         print(f"  operations      {doc['ops']}")
         print(f"  errors          {doc['errors'] or 'none'}")
         print(f"  wrong reads     {doc['wrong_reads']}")

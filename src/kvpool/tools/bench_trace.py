@@ -316,8 +316,7 @@ class ReplayReport:
             ("oracle (one global LRU)", self.oracle),
         ]
         lines = [
-            f"trace      {self.trace}: {self.requests:,} requests, "
-            f"{self.blocks:,} blocks of {BLOCK_TOKENS} tokens",
+            f"trace      {self.trace}: {self.requests:,} requests, {self.blocks:,} blocks of {BLOCK_TOKENS} tokens",
             f"instances  {self.instances}, routing {routing}",
             f"capacity   {cap}",
             "",
@@ -356,9 +355,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvpool bench trace``; ``--master`` belongs to the top-level CLI (read as args.master)."""
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     parser.add_argument("--instances", type=_positive_int, default=8, help="simulated prefill instances (8)")
-    parser.add_argument(
-        "--routing", choices=ROUTING_POLICIES, default="random", help="request routing (random)"
-    )
+    parser.add_argument("--routing", choices=ROUTING_POLICIES, default="random", help="request routing (random)")
     parser.add_argument(
         "--capacity",
         type=parse_token_count,
@@ -388,8 +385,11 @@ def _default_pool(args: argparse.Namespace) -> AbstractContextManager[PoolLike]:
     return nullcontext(InMemoryLRUPool(capacity_blocks(args.capacity)))
 
 
-def run(args: argparse.Namespace, pool_factory: PoolFactory | None = None,
-        report_extra: Callable[[], dict[str, Any]] | None = None) -> int:
+def run(
+    args: argparse.Namespace,
+    pool_factory: PoolFactory | None = None,
+    report_extra: Callable[[], dict[str, Any]] | None = None,
+) -> int:
     """Run the benchmark; returns the process exit status (0 ok, 2 bad trace or arguments).
 
     Without ``pool_factory`` the pool is ``InMemoryLRUPool`` (reported as ``pool_backend: in-memory``).
@@ -411,9 +411,7 @@ def run(args: argparse.Namespace, pool_factory: PoolFactory | None = None,
     private = simulate_routed(trace, routes, args.instances, cap)
 
     run_tag = args.run_tag or uuid.uuid4().hex[:12]
-    backend = (
-        "in-memory" if pool_factory is None else ("cluster" if getattr(args, "master", None) else "local")
-    )
+    backend = "in-memory" if pool_factory is None else ("cluster" if getattr(args, "master", None) else "local")
     print(f"kvpool bench trace: replaying {len(trace):,} requests against the {backend} pool", file=err)
     with (pool_factory or _default_pool)(args) as pool:
         replay = replay_pool(

@@ -48,8 +48,16 @@ UNLIMITED_MARGIN = 1.02
 SSD_MARGIN = 1.05
 """The SSD tier holds the working set plus this margin (an object may briefly be on SSD twice while a
 demotion of it is being abandoned, and the per-store split is uneven by a few blocks)."""
-SSD_DRAM_WATERMARKS = ("--eviction-high-watermark", "0.7", "--eviction-target", "0.6",
-                       "--demote-max-pending", "0.5", "--eviction-interval-s", "0.01")
+SSD_DRAM_WATERMARKS = (
+    "--eviction-high-watermark",
+    "0.7",
+    "--eviction-target",
+    "0.6",
+    "--demote-max-pending",
+    "0.5",
+    "--eviction-interval-s",
+    "0.01",
+)
 """DRAM with an SSD tier: demote in the background early enough that puts never wait for a demotion."""
 
 
@@ -77,8 +85,14 @@ def _split(total: int, parts: int, unit: int) -> tuple[int, ...]:
     return tuple((base + (1 if i < extra else 0)) * unit for i in range(parts))
 
 
-def plan_cluster(capacity_tokens: int | None, block_bytes: int, stores: int, working_set: int,
-                 ssd_tokens: int | None = None, ssd: bool = False) -> ClusterPlan:
+def plan_cluster(
+    capacity_tokens: int | None,
+    block_bytes: int,
+    stores: int,
+    working_set: int,
+    ssd_tokens: int | None = None,
+    ssd: bool = False,
+) -> ClusterPlan:
     """Size the cluster so that its DRAM holds ``capacity_tokens // 512`` blocks (see the module doc)."""
     blocks = capacity_blocks(capacity_tokens)
     if blocks is None:
@@ -87,13 +101,21 @@ def plan_cluster(capacity_tokens: int | None, block_bytes: int, stores: int, wor
     stores = max(1, min(stores, blocks * block_bytes // MIN_SEGMENT))
     dram = _split(blocks, stores, block_bytes)
     if min(dram) < MIN_SEGMENT:
-        raise ValueError(f"a pool of {blocks:,} blocks of {block_bytes:,} B is below the 1 MiB a store "
-                         "needs: raise --block-bytes or --capacity")
+        raise ValueError(
+            f"a pool of {blocks:,} blocks of {block_bytes:,} B is below the 1 MiB a store "
+            "needs: raise --block-bytes or --capacity"
+        )
     args: tuple[str, ...]
     if not ssd:
         slack = max(EVICT_SLACK, MIN_SLACK_BLOCKS / blocks)
-        args = ("--eviction-high-watermark", "1.0", "--eviction-target", f"{1.0 - slack:.6f}",
-                "--eviction-sample-factor", "0")
+        args = (
+            "--eviction-high-watermark",
+            "1.0",
+            "--eviction-target",
+            f"{1.0 - slack:.6f}",
+            "--eviction-sample-factor",
+            "0",
+        )
         return ClusterPlan(dram, (), args)
     ssd_blocks = capacity_blocks(ssd_tokens) if ssd_tokens is not None else working_set
     assert ssd_blocks is not None
@@ -142,8 +164,12 @@ class TracePoolFactory:
                     if plan.ssd:
                         extra = ("--ssd-dir", str(Path(tmp) / f"ssd-{i}"), "--ssd-size", str(plan.ssd[i]))
                     cluster.add_store(size=str(size), extra=extra)
-                self.notes.update(stores=len(plan.dram), pool_dram_bytes=plan.dram_bytes,
-                                  pool_ssd_bytes=sum(plan.ssd), master_args=" ".join(plan.master_args))
+                self.notes.update(
+                    stores=len(plan.dram),
+                    pool_dram_bytes=plan.dram_bytes,
+                    pool_ssd_bytes=sum(plan.ssd),
+                    master_args=" ".join(plan.master_args),
+                )
                 yield cluster.master
             finally:
                 cluster.stop()
@@ -156,8 +182,15 @@ class TracePoolFactory:
             self.notes["pool_stats_error"] = str(exc)
             return
         self.notes.update(pool_objects=stats.objects, pool_evictions=stats.evictions)
-        for name in ("demotions", "promotions", "dram_dropped", "dram_dropped_urgent", "ssd_used_bytes",
-                     "ssd_evictions", "demote_failures"):
+        for name in (
+            "demotions",
+            "promotions",
+            "dram_dropped",
+            "dram_dropped_urgent",
+            "ssd_used_bytes",
+            "ssd_evictions",
+            "demote_failures",
+        ):
             if name in stats.extra:
                 self.notes[f"pool_{name}"] = int(stats.extra[name])
 
@@ -179,16 +212,26 @@ def _wait_mounted(pool: Any, segments: int, timeout: float = 60.0) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_trace.add_arguments(parser)
-    parser.add_argument("--master", default=None,
-                        help="replay against this running cluster (host:port or etcd://...) instead of "
-                             "starting a local one sized for --capacity")
-    parser.add_argument("--in-memory", action="store_true",
-                        help="replay against the in-memory LRU (no cluster; a check of the driver)")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="replay against this running cluster (host:port or etcd://...) instead of "
+        "starting a local one sized for --capacity",
+    )
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="replay against the in-memory LRU (no cluster; a check of the driver)",
+    )
     parser.add_argument("--stores", type=int, default=2, help="stores of the local cluster (2)")
-    parser.add_argument("--ssd", action="store_true",
-                        help="give each store an SSD tier; --capacity is then the DRAM")
-    parser.add_argument("--ssd-capacity", type=bench_trace.parse_token_count, default=None, metavar="TOKENS",
-                        help="SSD tier in tokens over all stores (default: the trace's working set)")
+    parser.add_argument("--ssd", action="store_true", help="give each store an SSD tier; --capacity is then the DRAM")
+    parser.add_argument(
+        "--ssd-capacity",
+        type=bench_trace.parse_token_count,
+        default=None,
+        metavar="TOKENS",
+        help="SSD tier in tokens over all stores (default: the trace's working set)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,8 +248,7 @@ def run(args: argparse.Namespace) -> int:
             return bench_trace.run(args)  # reports the bad trace the usual way
         ws = working_set_blocks(trace)
         try:
-            factory.plan = plan_cluster(args.capacity, args.block_bytes, args.stores, ws, args.ssd_capacity,
-                                        args.ssd)
+            factory.plan = plan_cluster(args.capacity, args.block_bytes, args.stores, ws, args.ssd_capacity, args.ssd)
         except ValueError as exc:
             print(f"kvpool bench trace: {exc}", file=sys.stderr)
             return 2

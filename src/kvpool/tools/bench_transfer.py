@@ -79,14 +79,26 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
         busy += elapsed
         moved += size * batch
         client.batch_remove(keys, force=True)
-    return Row(op, size, batch, moved / busy / 1e9, _percentile(latencies, 0.5) * 1e6,
-               _percentile(latencies, 0.99) * 1e6)
+    return Row(
+        op,
+        size,
+        batch,
+        moved / busy / 1e9,
+        _percentile(latencies, 0.5) * 1e6,
+        _percentile(latencies, 0.99) * 1e6,
+    )
 
 
 def _median_row(rows: list[Row]) -> Row:
     best = sorted(rows, key=lambda r: r.gbps)[len(rows) // 2]
-    return Row(best.op, best.size, best.batch, statistics.median(r.gbps for r in rows),
-               statistics.median(r.p50_us for r in rows), statistics.median(r.p99_us for r in rows))
+    return Row(
+        best.op,
+        best.size,
+        best.batch,
+        statistics.median(r.gbps for r in rows),
+        statistics.median(r.p50_us for r in rows),
+        statistics.median(r.p99_us for r in rows),
+    )
 
 
 def measure(master: str, sizes: list[int], seconds: float, runs: int, connections: int) -> dict[str, object]:
@@ -105,11 +117,17 @@ def measure(master: str, sizes: list[int], seconds: float, runs: int, connection
                     row = _median_row([_measure(client, op, size, batch, seconds) for _ in range(runs)])
                     row.ratio_to_ceiling = row.gbps / ceilings[size] if ceilings[size] else 0.0
                     rows.append(row)
-                    print(f"  {op} {size >> 10:>5} KiB x{batch:<4} {row.gbps:6.2f} GB/s  "
-                          f"{row.ratio_to_ceiling:4.2f} x ceiling  p50 {row.p50_us:8.0f} us", file=sys.stderr)
-    return {"ceiling_tcp_gbps": max(ceilings.values()),
-            "ceilings": {str(size): gbps for size, gbps in ceilings.items()},
-            "memcpy_gbps": memcpy, "results": [asdict(r) for r in rows]}
+                    print(
+                        f"  {op} {size >> 10:>5} KiB x{batch:<4} {row.gbps:6.2f} GB/s  "
+                        f"{row.ratio_to_ceiling:4.2f} x ceiling  p50 {row.p50_us:8.0f} us",
+                        file=sys.stderr,
+                    )
+    return {
+        "ceiling_tcp_gbps": max(ceilings.values()),
+        "ceilings": {str(size): gbps for size, gbps in ceilings.items()},
+        "memcpy_gbps": memcpy,
+        "results": [asdict(r) for r in rows],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"TCP ceiling {doc['ceiling_tcp_gbps']:.2f} GB/s, memcpy {doc['memcpy_gbps']:.2f} GB/s")
         print(f"{'op':<4} {'size':>9} {'batch':>5} {'GB/s':>7} {'x ceil':>7} {'p50 us':>9} {'p99 us':>9}")
         for r in doc["results"]:  # type: ignore[attr-defined]
-            print(f"{r['op']:<4} {r['size']:>9} {r['batch']:>5} {r['gbps']:7.2f} {r['ratio_to_ceiling']:7.2f} "
-                  f"{r['p50_us']:9.0f} {r['p99_us']:9.0f}")
+            print(
+                f"{r['op']:<4} {r['size']:>9} {r['batch']:>5} {r['gbps']:7.2f} {r['ratio_to_ceiling']:7.2f} "
+                f"{r['p50_us']:9.0f} {r['p99_us']:9.0f}"
+            )
     return 0

@@ -80,8 +80,11 @@ class RawTcpPeer:
 
     def __init__(self, max_size: int = max(SIZES)) -> None:
         self.max_size = max_size
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvpool.tools.ceiling", "--serve", str(max_size)],
-                                      stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.tools.ceiling", "--serve", str(max_size)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self._proc.stdout is not None
         port = int(self._proc.stdout.readline())
         self._sock = socket.create_connection(("127.0.0.1", port))
@@ -106,8 +109,12 @@ class RawTcpPeer:
             latencies.append(after - now)
             now = after
         latencies.sort()
-        return TcpResult(size, len(latencies) * size / (now - start) / 1e9,
-                         latencies[len(latencies) // 2] * 1e6, len(latencies))
+        return TcpResult(
+            size,
+            len(latencies) * size / (now - start) / 1e9,
+            latencies[len(latencies) // 2] * 1e6,
+            len(latencies),
+        )
 
     def close(self) -> None:
         try:

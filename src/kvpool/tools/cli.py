@@ -1,10 +1,10 @@
 """``kvpool``: run a master or a store, a local cluster, the demo and the benchmarks.
 
-    kvpool master [--port 50051] [--etcd h1:p1,...]     one master (or an HA replica)
-    kvpool store --master ADDR --size 4GiB              one store (one per NUMA node)
-    kvpool local up|status|down                         a whole cluster as local processes
-    kvpool demo                                         local cluster + an agent workload, then stop
-    kvpool bench transfer|trace|...                     benchmarks (print ratios to this machine's ceilings)
+kvpool master [--port 50051] [--etcd h1:p1,...]     one master (or an HA replica)
+kvpool store --master ADDR --size 4GiB              one store (one per NUMA node)
+kvpool local up|status|down                         a whole cluster as local processes
+kvpool demo                                         local cluster + an agent workload, then stop
+kvpool bench transfer|trace|...                     benchmarks (print ratios to this machine's ceilings)
 """
 
 from __future__ import annotations
@@ -23,14 +23,28 @@ from kvpool.common.log import setup_logging
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("kvpool.tools.bench_transfer", "put/get GB/s against the raw loopback TCP ceiling"),
-    "trace": ("kvpool.tools.bench_trace_pool",
-              "replay a Mooncake trace: pool vs private caches vs oracle hit rate"),
+    "trace": (
+        "kvpool.tools.bench_trace_pool",
+        "replay a Mooncake trace: pool vs private caches vs oracle hit rate",
+    ),
     "placement": ("kvpool.tools.bench_placement", "allocator utilisation; how fast a new store fills up"),
     "prefetch": ("kvpool.tools.bench_prefetch", "prefetch hidden behind compute; engine-thread latency"),
-    "failover": ("kvpool.tools.bench_failover", "kill the leader master under load: recovery time and objects kept"),
-    "metadata": ("kvpool.tools.bench_metadata", "master hot path: exists/prefix/get-replicas rates, framed vs gRPC"),
-    "master-memory": ("kvpool.tools.bench_metadata:memory", "master RSS per object at N objects, lookup speed"),
-    "soak": ("kvpool.tools.bench_soak", "client processes, mixed checked workload, a store restart: errors, RSS"),
+    "failover": (
+        "kvpool.tools.bench_failover",
+        "kill the leader master under load: recovery time and objects kept",
+    ),
+    "metadata": (
+        "kvpool.tools.bench_metadata",
+        "master hot path: exists/prefix/get-replicas rates, framed vs gRPC",
+    ),
+    "master-memory": (
+        "kvpool.tools.bench_metadata:memory",
+        "master RSS per object at N objects, lookup speed",
+    ),
+    "soak": (
+        "kvpool.tools.bench_soak",
+        "client processes, mixed checked workload, a store restart: errors, RSS",
+    ),
 }
 
 
@@ -58,9 +72,15 @@ def _cmd_local(args: argparse.Namespace) -> int:
         if (base / "cluster.json").exists() and any(p["alive"] for p in lc.load_status(base)["processes"]):
             print(f"a local cluster is already running in {base} (kvpool local down first)", file=sys.stderr)
             return 1
-        cluster = lc.LocalCluster(stores=args.stores, store_size=args.size, base_dir=base, ha=args.ha,
-                                  master_args=tuple(args.master_arg), store_args=tuple(args.store_arg),
-                                  token_file=args.token_file).start()
+        cluster = lc.LocalCluster(
+            stores=args.stores,
+            store_size=args.size,
+            base_dir=base,
+            ha=args.ha,
+            master_args=tuple(args.master_arg),
+            store_args=tuple(args.store_arg),
+            token_file=args.token_file,
+        ).start()
         doc = cluster.status()
         if args.json:
             print(json.dumps(doc))
@@ -93,8 +113,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _bench_entry(name: str) -> tuple[Callable[[argparse.ArgumentParser], None],
-                                      Callable[[argparse.Namespace], int]]:
+def _bench_entry(
+    name: str,
+) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
     """(add_arguments, run) of a benchmark: "module" or "module:variant" (add_<variant>_arguments, run_<variant>)."""
     import importlib
 
@@ -113,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpool.master.config import MasterConfig
     from kvpool.store.config import StoreConfig
 
-    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvpool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     master = sub.add_parser("master", help="run a master")
@@ -136,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--json", action="store_true", help="print JSON")
     local.add_argument("--master-arg", action="append", default=[], help="extra argument for each master")
     local.add_argument("--store-arg", action="append", default=[], help="extra argument for each store")
-    local.add_argument("--token-file", default="", help="require this cluster token on every plane (masters and "
-                                                         "stores get it; clients read KVPOOL_TOKEN_FILE)")
+    local.add_argument(
+        "--token-file",
+        default="",
+        help="require this cluster token on every plane (masters and stores get it; clients read KVPOOL_TOKEN_FILE)",
+    )
     local.set_defaults(func=_cmd_local)
 
     from kvpool.tools import demo

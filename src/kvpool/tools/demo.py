@@ -134,10 +134,13 @@ def run_workload(client: object, args: argparse.Namespace, capacity_bytes: int) 
         moved += sum(page_bytes for c in codes if c == 0)
         pool_hits += hit
         if not args.json and (n + 1) % max(1, len(requests) // 10) == 0:
-            print(f"  {n + 1}/{len(requests)} requests, pool hit rate so far {pool_hits / looked:.1%}",
-                  file=sys.stderr)
-    return DemoResult(len(requests), looked, pool_hits / max(1, looked), private_hits / max(1, looked),
-                      moved, busy, wrong)
+            print(
+                f"  {n + 1}/{len(requests)} requests, pool hit rate so far {pool_hits / looked:.1%}",
+                file=sys.stderr,
+            )
+    return DemoResult(
+        len(requests), looked, pool_hits / max(1, looked), private_hits / max(1, looked), moved, busy, wrong
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,14 +161,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-    doc = {"requests": result.requests, "pages": result.pages_looked_up, "pool_hit_rate": result.pool_hit_rate,
-           "private_hit_rate": result.private_hit_rate, "gb_moved": result.bytes_moved / 1e9,
-           "gbps": result.gbps, "wrong_reads": result.wrong_reads, "instances": args.instances}
+    doc = {
+        "requests": result.requests,
+        "pages": result.pages_looked_up,
+        "pool_hit_rate": result.pool_hit_rate,
+        "private_hit_rate": result.private_hit_rate,
+        "gb_moved": result.bytes_moved / 1e9,
+        "gbps": result.gbps,
+        "wrong_reads": result.wrong_reads,
+        "instances": args.instances,
+    }
     if args.json:
         print(json.dumps(doc))
     else:
-        print(f"\nkvpool demo: {result.requests} requests over {args.instances} prefill instances "
-              f"(random routing), {result.pages_looked_up} pages looked up")
+        print(
+            f"\nkvpool demo: {result.requests} requests over {args.instances} prefill instances "
+            f"(random routing), {result.pages_looked_up} pages looked up"
+        )
         print(f"  pool hit rate                          {result.pool_hit_rate:6.1%}")
         print(f"  private per-instance caches (same size) {result.private_hit_rate:6.1%}")
         print(f"  moved {result.bytes_moved / 1e9:.2f} GB at {result.gbps:.2f} GB/s; wrong reads: {result.wrong_reads}")

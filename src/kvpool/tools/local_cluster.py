@@ -25,10 +25,10 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 
 @dataclass
 class ProcInfo:
-    role: str            # "etcd" | "master" | "store"
+    role: str  # "etcd" | "master" | "store"
     name: str
     pid: int
-    address: str         # gRPC endpoint (master), data endpoint (store), client endpoint (etcd)
+    address: str  # gRPC endpoint (master), data endpoint (store), client endpoint (etcd)
     node: str = ""
     log: str = ""
     endpoints: dict[str, Any] = field(default_factory=dict)
@@ -70,10 +70,21 @@ def _is_ours(pid: int, marker: str) -> bool:
 class LocalCluster:
     """Start/stop a master (or 3 with etcd) and N stores as child processes."""
 
-    def __init__(self, stores: int = 2, store_size: str = "256MiB", base_dir: str | Path | None = None,
-                 master_args: tuple[str, ...] = (), store_args: tuple[str, ...] = (), ha: bool = False,
-                 masters: int = 3, nodes: list[str] | None = None, env: dict[str, str] | None = None,
-                 cluster: str = "", etcd_endpoints: list[str] | None = None, token_file: str = "") -> None:
+    def __init__(
+        self,
+        stores: int = 2,
+        store_size: str = "256MiB",
+        base_dir: str | Path | None = None,
+        master_args: tuple[str, ...] = (),
+        store_args: tuple[str, ...] = (),
+        ha: bool = False,
+        masters: int = 3,
+        nodes: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cluster: str = "",
+        etcd_endpoints: list[str] | None = None,
+        token_file: str = "",
+    ) -> None:
         self.base_dir = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.num_stores = stores
@@ -144,16 +155,21 @@ class LocalCluster:
         log_path = self.base_dir / f"{name}.log"
         cmd = [*prefix, *_cli(role, *args, "--ready-file", str(ready))]
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=self.env, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
         self._popen[proc.pid] = proc
         info = ProcInfo(role, name, proc.pid, "", log=str(log_path), args=args, prefix=list(prefix))
         self.processes.append(info)
         deadline = time.monotonic() + timeout
         while not ready.exists() or not ready.read_text():
             if proc.poll() is not None:
-                raise KvPoolError(ErrorCode.UNAVAILABLE,
-                                  f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+                raise KvPoolError(ErrorCode.UNAVAILABLE, f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
             if time.monotonic() > deadline:
                 raise KvPoolError(ErrorCode.TIMEOUT, f"{name} not ready after {timeout:.0f} s:\n{_tail(log_path)}")
             time.sleep(0.02)
@@ -162,10 +178,18 @@ class LocalCluster:
         info.node = info.endpoints.get("node", "")
         return info
 
-    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0,
-                   prefix: tuple[str, ...] = ()) -> ProcInfo:
-        args = ["--host", "127.0.0.1", "--port", "0", "--cluster", self.cluster, *self._token_args(),
-                *self.master_args, *extra]
+    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0, prefix: tuple[str, ...] = ()) -> ProcInfo:
+        args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--cluster",
+            self.cluster,
+            *self._token_args(),
+            *self.master_args,
+            *extra,
+        ]
         if self.ha:
             args += ["--etcd", ",".join(self.etcd_endpoints)]
         return self._spawn("master", args, timeout, prefix)
@@ -173,12 +197,29 @@ class LocalCluster:
     def _token_args(self) -> list[str]:
         return ["--token-file", self.token_file] if self.token_file else []
 
-    def add_store(self, size: str | None = None, node: str = "", extra: tuple[str, ...] = (),
-                  timeout: float = 60.0, prefix: tuple[str, ...] = ()) -> ProcInfo:
+    def add_store(
+        self,
+        size: str | None = None,
+        node: str = "",
+        extra: tuple[str, ...] = (),
+        timeout: float = 60.0,
+        prefix: tuple[str, ...] = (),
+    ) -> ProcInfo:
         """Start a store; ``prefix`` wraps its command line (``ip netns exec NS``: a store on another
         "host")."""
-        args = ["--master", self.master, "--size", size or self.store_size, "--host", "127.0.0.1",
-                "--cluster", self.cluster, *self._token_args(), *self.store_args, *extra]
+        args = [
+            "--master",
+            self.master,
+            "--size",
+            size or self.store_size,
+            "--host",
+            "127.0.0.1",
+            "--cluster",
+            self.cluster,
+            *self._token_args(),
+            *self.store_args,
+            *extra,
+        ]
         if node:
             args += ["--node", node]
         info = self._spawn("store", args, timeout, prefix)
@@ -251,9 +292,15 @@ class LocalCluster:
     # --- persisted description (for `kvpool local status|down`) ---------------------------------
 
     def status(self) -> dict[str, Any]:
-        return {"master": self.master, "cluster": self.cluster, "dir": str(self.base_dir),
-                "processes": [{"role": p.role, "pid": p.pid, "address": p.address, "node": p.node,
-                               "alive": _alive(p.pid)} for p in self.processes]}
+        return {
+            "master": self.master,
+            "cluster": self.cluster,
+            "dir": str(self.base_dir),
+            "processes": [
+                {"role": p.role, "pid": p.pid, "address": p.address, "node": p.node, "alive": _alive(p.pid)}
+                for p in self.processes
+            ],
+        }
 
     def save(self) -> None:
         doc = {**self.status(), "detail": [asdict(p) for p in self.processes]}

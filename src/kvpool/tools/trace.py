@@ -137,8 +137,7 @@ def _parse_request(obj: Any) -> Request:
     if len(ids) != expected:
         # The token weighting relies on this; the published traces satisfy it on every line.
         raise ValueError(
-            f"'hash_ids' has {len(ids)} entries, "
-            f"expected ceil({obj['input_length']}/{BLOCK_TOKENS}) = {expected}"
+            f"'hash_ids' has {len(ids)} entries, expected ceil({obj['input_length']}/{BLOCK_TOKENS}) = {expected}"
         )
     return Request(ts, obj["input_length"], obj["output_length"], tuple(ids))
 

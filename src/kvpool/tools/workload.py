@@ -67,7 +67,7 @@ class Histogram:
         for bucket in sorted(self.counts):
             seen += self.counts[bucket]
             if seen >= rank:
-                return 1.0 if bucket == 0 else self.RATIO ** bucket
+                return 1.0 if bucket == 0 else self.RATIO**bucket
         return self.RATIO ** max(self.counts)
 
 
@@ -114,9 +114,18 @@ class WorkloadResult:
 class MixedWorkload:
     """One thread's share of the workload: puts, checked gets, exists and removes of its own keys."""
 
-    def __init__(self, client: Any, prefix: str, value_bytes: int = 16 << 10, timeout_s: float = 2.0,
-                 slack_s: float = 0.5, max_live: int = 2000, batch: int = 4, seed: int | None = None,
-                 mix: tuple[float, float, float, float] = (0.35, 0.40, 0.15, 0.10)) -> None:
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        value_bytes: int = 16 << 10,
+        timeout_s: float = 2.0,
+        slack_s: float = 0.5,
+        max_live: int = 2000,
+        batch: int = 4,
+        seed: int | None = None,
+        mix: tuple[float, float, float, float] = (0.35, 0.40, 0.15, 0.10),
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.value_bytes = value_bytes
@@ -128,7 +137,7 @@ class MixedWorkload:
         total = sum(mix)
         if total <= 0 or min(mix) < 0:
             raise ValueError("mix weights must be >= 0 and not all 0")
-        self.thresholds = [sum(mix[:i + 1]) / total for i in range(4)]
+        self.thresholds = [sum(mix[: i + 1]) / total for i in range(4)]
         self.rng = random.Random(seed)
         self.live: list[str] = []
         self.result = WorkloadResult()
@@ -162,8 +171,10 @@ class MixedWorkload:
         """Put ``n`` new keys (their expected values); returns the acknowledged ones."""
         keys = self._new_keys(n or self.rng.randint(1, self.batch))
         values = [expected_value(k, self.value_bytes) for k in keys]
-        codes = self._timed(lambda: self.client.batch_put_from(keys, values, timeout=self.timeout_s),
-                            self.timeout_s + PUT_FINISH_GRACE_S)
+        codes = self._timed(
+            lambda: self.client.batch_put_from(keys, values, timeout=self.timeout_s),
+            self.timeout_s + PUT_FINISH_GRACE_S,
+        )
         acked = []
         for key, code in zip(keys, codes, strict=True):
             if code == 0:
@@ -193,8 +204,7 @@ class MixedWorkload:
     def _get_with_codes(self, keys: list[str]) -> list[tuple[int, bytes]]:
         buffers = [bytearray(self.value_bytes) for _ in keys]
         codes = self.client.batch_get_into(keys, buffers, timeout=self.timeout_s)
-        return [(code, bytes(buf[:code]) if code >= 0 else b"")
-                for code, buf in zip(codes, buffers, strict=True)]
+        return [(code, bytes(buf[:code]) if code >= 0 else b"") for code, buf in zip(codes, buffers, strict=True)]
 
     def _lose(self, key: str) -> None:
         self._error(int(ErrorCode.OBJECT_NOT_FOUND))
@@ -244,8 +254,9 @@ class MixedWorkload:
         return self.result
 
 
-def run_threads(client: Any, prefix: str, threads: int, seconds: float,
-                stop: threading.Event | None = None, **kwargs: Any) -> WorkloadResult:
+def run_threads(
+    client: Any, prefix: str, threads: int, seconds: float, stop: threading.Event | None = None, **kwargs: Any
+) -> WorkloadResult:
     """``threads`` MixedWorkloads on one client for ``seconds``; their merged result."""
     workloads = [MixedWorkload(client, f"{prefix}-t{i}", seed=i, **kwargs) for i in range(threads)]
     runners = [threading.Thread(target=w.run_for, args=(seconds, stop), daemon=True) for w in workloads]
@@ -265,8 +276,9 @@ class BackgroundLoad:
     def __init__(self, client: Any, prefix: str, threads: int = 3, **kwargs: Any) -> None:
         self.workloads = [MixedWorkload(client, f"{prefix}-t{i}", seed=i, **kwargs) for i in range(threads)]
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=w.run_for, args=(1e9, self._stop), daemon=True)
-                         for w in self.workloads]
+        self._threads = [
+            threading.Thread(target=w.run_for, args=(1e9, self._stop), daemon=True) for w in self.workloads
+        ]
 
     @property
     def ops(self) -> int:
@@ -303,11 +315,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvpool.client import ClientConfig, PoolClient
 
-    config = ClientConfig(master=args.master, use_shm=False, timeout_s=args.timeout,
-                          breaker_backoff_s=0.1, breaker_max_backoff_s=0.5)
+    config = ClientConfig(
+        master=args.master,
+        use_shm=False,
+        timeout_s=args.timeout,
+        breaker_backoff_s=0.1,
+        breaker_max_backoff_s=0.5,
+    )
     with PoolClient(config=config) as client:
-        result = run_threads(client, args.prefix, args.threads, args.duration, value_bytes=args.value_bytes,
-                             timeout_s=args.timeout, slack_s=args.slack, max_live=args.max_live)
+        result = run_threads(
+            client,
+            args.prefix,
+            args.threads,
+            args.duration,
+            value_bytes=args.value_bytes,
+            timeout_s=args.timeout,
+            slack_s=args.slack,
+            max_live=args.max_live,
+        )
     Path(args.out).write_text(json.dumps(asdict(result)))
     print(json.dumps({"ops": result.ops, "wrong_reads": result.wrong_reads}), file=sys.stderr)
     return 0

@@ -72,10 +72,10 @@ class Transport(ABC):
 
     name: str = "abstract"
 
-    def register_memory(self, buffer: memoryview) -> None:
+    def register_memory(self, buffer: memoryview) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make ``buffer`` usable as a zero-copy source/destination (RDMA registers an MR)."""
 
-    def unregister_memory(self, buffer: memoryview) -> None:
+    def unregister_memory(self, buffer: memoryview) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register_memory`."""
 
     def can_reach(self, replica: Replica) -> bool:

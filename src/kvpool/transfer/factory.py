@@ -21,10 +21,19 @@ from kvpool.transfer.verbs import NO_RDMA_LOG_KEY, Verbs, VerbsError, discover_d
 logger = get_logger(__name__)
 
 
-def make_transports(node: str, prefer_rdma: bool, *, use_shm: bool = False, verbs: Verbs | None = None,
-                    rdma_device: str | None = None, gid_index: int = 0, max_mr_bytes: int | None = None,
-                    token: bytes = b"", connections_per_store: int = 4,
-                    stripe_bytes: int = 1 << 20) -> list[Transport]:
+def make_transports(
+    node: str,
+    prefer_rdma: bool,
+    *,
+    use_shm: bool = False,
+    verbs: Verbs | None = None,
+    rdma_device: str | None = None,
+    gid_index: int = 0,
+    max_mr_bytes: int | None = None,
+    token: bytes = b"",
+    connections_per_store: int = 4,
+    stripe_bytes: int = 1 << 20,
+) -> list[Transport]:
     """The transports for a client on ``node``, best first; the last one (TCP) reaches every store.
 
     ``verbs`` defaults to the real pyverbs layer; tests pass :class:`kvpool.transfer.verbs_fake.FakeVerbs`.
@@ -37,17 +46,25 @@ def make_transports(node: str, prefer_rdma: bool, *, use_shm: bool = False, verb
         if shm is not None:
             transports.append(shm)
     if prefer_rdma:
-        rdma = make_rdma_transport(verbs=verbs, device=rdma_device, gid_index=gid_index,
-                                   max_mr_bytes=max_mr_bytes, token=token)
+        rdma = make_rdma_transport(
+            verbs=verbs, device=rdma_device, gid_index=gid_index, max_mr_bytes=max_mr_bytes, token=token
+        )
         if rdma is not None:
             transports.append(rdma)
-    transports.append(TcpTransport(connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes,
-                                   token=token))
+    transports.append(
+        TcpTransport(connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes, token=token)
+    )
     return transports
 
 
-def make_rdma_transport(*, verbs: Verbs | None = None, device: str | None = None, gid_index: int = 0,
-                        max_mr_bytes: int | None = None, token: bytes = b"") -> Transport | None:
+def make_rdma_transport(
+    *,
+    verbs: Verbs | None = None,
+    device: str | None = None,
+    gid_index: int = 0,
+    max_mr_bytes: int | None = None,
+    token: bytes = b"",
+) -> Transport | None:
     """An RdmaTransport on ``device`` (default: the first one found), or None - logged once - without RDMA."""
     devices = discover_devices(verbs)  # logs "RDMA unavailable ...: using TCP" once when empty
     if not devices:
@@ -59,8 +76,13 @@ def make_rdma_transport(*, verbs: Verbs | None = None, device: str | None = None
     from kvpool.transfer.verbs import PyverbsVerbs
 
     try:
-        transport = RdmaTransport(verbs if verbs is not None else PyverbsVerbs(), device or devices[0],
-                                  max_mr_bytes, gid_index=gid_index, token=token)
+        transport = RdmaTransport(
+            verbs if verbs is not None else PyverbsVerbs(),
+            device or devices[0],
+            max_mr_bytes,
+            gid_index=gid_index,
+            token=token,
+        )
     except (KvPoolError, VerbsError, ImportError) as exc:
         _no_rdma(f"cannot open {device or devices[0]}: {exc}")
         return None

@@ -110,14 +110,24 @@ class RemoteRegion:
     rkey: int
 
     def to_json(self) -> dict[str, int]:
-        return {"segment_id": self.segment_id, "offset": self.offset, "length": self.length,
-                "addr": self.addr, "rkey": self.rkey}
+        return {
+            "segment_id": self.segment_id,
+            "offset": self.offset,
+            "length": self.length,
+            "addr": self.addr,
+            "rkey": self.rkey,
+        }
 
     @classmethod
     def from_json(cls, doc: Any) -> RemoteRegion:
         d = _obj(doc, "region")
-        return cls(_int(d, "segment_id"), _int(d, "offset"), _int(d, "length", 1), _int(d, "addr", 1),
-                   _int(d, "rkey", 0, 0xFFFFFFFF))
+        return cls(
+            _int(d, "segment_id"),
+            _int(d, "offset"),
+            _int(d, "length", 1),
+            _int(d, "addr", 1),
+            _int(d, "rkey", 0, 0xFFFFFFFF),
+        )
 
 
 def qp_info_to_json(info: QpInfo) -> dict[str, Any]:
@@ -129,14 +139,25 @@ def qp_info_from_json(doc: Any) -> QpInfo:
     gid = d.get("gid")
     if not isinstance(gid, str) or len(gid) > 64:
         raise KvPoolError(ErrorCode.BAD_FRAME, "RDMA_CONNECT: bad gid")
-    return QpInfo(qp_num=_int(d, "qp_num", 1, 0xFFFFFF), lid=_int(d, "lid", 0, 0xFFFF), gid=gid,
-                  psn=_int(d, "psn", 0, 0xFFFFFF), mtu=Mtu(_int(d, "mtu", Mtu.MTU_256, Mtu.MTU_4096)))
+    return QpInfo(
+        qp_num=_int(d, "qp_num", 1, 0xFFFFFF),
+        lid=_int(d, "lid", 0, 0xFFFF),
+        gid=gid,
+        psn=_int(d, "psn", 0, 0xFFFFFF),
+        mtu=Mtu(_int(d, "mtu", Mtu.MTU_256, Mtu.MTU_4096)),
+    )
 
 
 def grant_to_json(grant: Grant) -> dict[str, Any]:
-    return {"op": int(grant.op), "segment_id": grant.segment_id, "offset": grant.offset,
-            "length": grant.length, "expiry_ms": grant.expiry_ms, "key": grant.key.hex(),
-            "mac": grant.mac.hex()}
+    return {
+        "op": int(grant.op),
+        "segment_id": grant.segment_id,
+        "offset": grant.offset,
+        "length": grant.length,
+        "expiry_ms": grant.expiry_ms,
+        "key": grant.key.hex(),
+        "mac": grant.mac.hex(),
+    }
 
 
 def grant_from_json(doc: Any) -> Grant:
@@ -148,8 +169,7 @@ def grant_from_json(doc: Any) -> Grant:
         raise KvPoolError(ErrorCode.BAD_FRAME, f"RDMA_CONNECT: bad grant: {exc}") from None
     if len(key) > MAX_KEY_BYTES:
         raise KvPoolError(ErrorCode.BAD_FRAME, "RDMA_CONNECT: grant key too long")
-    return Grant(op, _int(d, "segment_id"), _int(d, "offset"), _int(d, "length"), _int(d, "expiry_ms"),
-                 key, mac)
+    return Grant(op, _int(d, "segment_id"), _int(d, "offset"), _int(d, "length"), _int(d, "expiry_ms"), key, mac)
 
 
 def _obj(doc: Any, what: str) -> dict[str, Any]:
@@ -161,8 +181,7 @@ def _obj(doc: Any, what: str) -> dict[str, Any]:
 def _int(d: dict[str, Any], name: str, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
     value = d.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise KvPoolError(ErrorCode.BAD_FRAME,
-                          f"RDMA_CONNECT: field {name!r} must be an integer in [{lo}, {hi}]")
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"RDMA_CONNECT: field {name!r} must be an integer in [{lo}, {hi}]")
     return value
 
 
@@ -175,8 +194,10 @@ def _decode(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any
         raise KvPoolError(ErrorCode.BAD_FRAME, f"{what} is not JSON") from None
     d = _obj(doc, what)
     if d.get("v") != PROTOCOL_VERSION:
-        raise KvPoolError(ErrorCode.NOT_SUPPORTED, f"{what}: protocol version {d.get('v')!r}, "
-                                                   f"this side speaks {PROTOCOL_VERSION}")
+        raise KvPoolError(
+            ErrorCode.NOT_SUPPORTED,
+            f"{what}: protocol version {d.get('v')!r}, this side speaks {PROTOCOL_VERSION}",
+        )
     return d
 
 
@@ -195,8 +216,9 @@ class SegmentMemory(Protocol):
     def size(self) -> int: ...
 
 
-def register_chunked(ctx: DeviceContext, address: int, length: int, access: Access,
-                     max_mr_bytes: int) -> list[MemoryRegion]:
+def register_chunked(
+    ctx: DeviceContext, address: int, length: int, access: Access, max_mr_bytes: int
+) -> list[MemoryRegion]:
     """Register [address, address+length) as MRs of at most ``max_mr_bytes`` each (all or nothing)."""
     mrs: list[MemoryRegion] = []
     try:
@@ -256,9 +278,11 @@ class _LocalMemory:
         try:
             mrs = register_chunked(self._ctx, addr, length, access, self._max_mr)
         except VerbsError as exc:
-            raise KvPoolError(ErrorCode.TRANSFER_FAILED,
-                              f"cannot register {length} bytes at {addr:#x} for RDMA: {exc} "
-                              "(is the memlock ulimit high enough? see docs/rdma.md)") from exc
+            raise KvPoolError(
+                ErrorCode.TRANSFER_FAILED,
+                f"cannot register {length} bytes at {addr:#x} for RDMA: {exc} "
+                "(is the memlock ulimit high enough? see docs/rdma.md)",
+            ) from exc
         reg = _Registration(addr, length, mrs, view)
         if not temporary:
             with self._lock:
@@ -311,8 +335,14 @@ class Piece:
     rkey: int
 
 
-def plan_pieces(local_addr: int, local_spans: Sequence[tuple[int, int, int]], remote_offset: int,
-                regions: Sequence[RemoteRegion], length: int, max_chunk: int) -> list[Piece]:
+def plan_pieces(
+    local_addr: int,
+    local_spans: Sequence[tuple[int, int, int]],
+    remote_offset: int,
+    regions: Sequence[RemoteRegion],
+    length: int,
+    max_chunk: int,
+) -> list[Piece]:
     """Cut a transfer of ``length`` bytes at every local MR boundary, remote MR boundary and ``max_chunk``.
 
     ``local_spans`` are the (addr, length, lkey) of the MRs holding the local range, ``regions`` the MRs of
@@ -426,8 +456,16 @@ class _Batch(TransferBatch):
 class _Connection:
     """One RC QP to one store, its CQ, the control socket that keeps it alive, and its work queues."""
 
-    def __init__(self, endpoint: str, sock: socket.socket, qp: QueuePair, cq: CompletionQueue,
-                 regions: list[RemoteRegion], writable: bool, depth: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        sock: socket.socket,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        regions: list[RemoteRegion],
+        writable: bool,
+        depth: int,
+    ) -> None:
         self.endpoint = endpoint
         self.writable = writable
         self._sock: socket.socket | None = sock
@@ -498,8 +536,7 @@ class _Connection:
             chunk = self._pending[0]
             p = chunk.piece
             self._next_wr += 1
-            wr = WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr,
-                             p.rkey)
+            wr = WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey)
             try:
                 qp.post_send(wr)
             except VerbsError as exc:
@@ -536,8 +573,7 @@ class _Connection:
         if self.broken is None:
             self.broken = code
             if code not in (ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN):
-                logger.warning("rdma %s: %s; the QP is torn down and re-established on next use",
-                               self.endpoint, why)
+                logger.warning("rdma %s: %s; the QP is torn down and re-established on next use", self.endpoint, why)
             if self._qp is not None:
                 try:
                     self._qp.to_error()
@@ -617,12 +653,22 @@ class RdmaTransport(Transport):
 
     name = "rdma"
 
-    def __init__(self, verbs: Verbs, device: str | None = None, max_mr_bytes: int | None = None, *,
-                 port: int = 1, gid_index: int = 0, token: bytes = b"",
-                 max_wr_bytes: int = DEFAULT_MAX_WR_BYTES, send_queue_depth: int = DEFAULT_SQ_DEPTH,
-                 connect_timeout: float = 2.0,
-                 reconnect_cooldown_s: float = 1.0, poll_interval_s: float = 0.0005,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        verbs: Verbs,
+        device: str | None = None,
+        max_mr_bytes: int | None = None,
+        *,
+        port: int = 1,
+        gid_index: int = 0,
+        token: bytes = b"",
+        max_wr_bytes: int = DEFAULT_MAX_WR_BYTES,
+        send_queue_depth: int = DEFAULT_SQ_DEPTH,
+        connect_timeout: float = 2.0,
+        reconnect_cooldown_s: float = 1.0,
+        poll_interval_s: float = 0.0005,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         if device is None:
             devices = verbs.list_devices()
             if not devices:
@@ -671,8 +717,12 @@ class RdmaTransport(Transport):
     def can_reach(self, replica: Replica) -> bool:
         with self._lock:
             peer = None if self._closed else self._peers.get(replica.tcp_endpoint)
-        return (peer is not None and peer.rdma and replica.segment_id in peer.segments
-                and time.monotonic() >= peer.down_until)
+        return (
+            peer is not None
+            and peer.rdma
+            and replica.segment_id in peer.segments
+            and time.monotonic() >= peer.down_until
+        )
 
     # ---- memory
     def register_memory(self, buffer: memoryview) -> None:
@@ -725,8 +775,7 @@ class RdmaTransport(Transport):
             return None
         return view[:length]
 
-    def _submit_to(self, endpoint: str, items: list[tuple[int, TransferRequest, memoryview]],
-                   batch: _Batch) -> None:
+    def _submit_to(self, endpoint: str, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch) -> None:
         grants: dict[int, Grant] = {}
         for _, req, _ in items:
             seg = req.replica.segment_id
@@ -757,16 +806,23 @@ class RdmaTransport(Transport):
                 self.stats.bytes_submitted += sum(c.piece.length for c in chunks)
             conn.enqueue(chunks)
 
-    def _chunks(self, index: int, req: TransferRequest, view: memoryview, conn: _Connection,
-                batch: _Batch) -> list[_Chunk]:
+    def _chunks(
+        self, index: int, req: TransferRequest, view: memoryview, conn: _Connection, batch: _Batch
+    ) -> list[_Chunk]:
         try:
             addr = buffer_address(view)
             reg = self._memory.find(addr, len(view))
             if reg is None:  # not registered: register for this batch only (slow; register_memory is the way)
                 reg = self._memory.register(view, temporary=True)
                 batch.temporary.append(reg)
-            pieces = plan_pieces(addr, reg.spans(), req.replica.offset, conn.regions(req.replica.segment_id),
-                                 len(view), self.max_chunk_bytes)
+            pieces = plan_pieces(
+                addr,
+                reg.spans(),
+                req.replica.offset,
+                conn.regions(req.replica.segment_id),
+                len(view),
+                self.max_chunk_bytes,
+            )
         except KvPoolError as exc:
             batch.fail(index, exc.code)
             return []
@@ -787,8 +843,7 @@ class RdmaTransport(Transport):
         with self._lock:
             setattr(self.stats, counter, getattr(self.stats, counter) + n)
 
-    def _connection(self, peer: _Peer, grants: list[Grant], need_write: bool,
-                    deadline: Deadline) -> _Connection:
+    def _connection(self, peer: _Peer, grants: list[Grant], need_write: bool, deadline: Deadline) -> _Connection:
         """A usable connection to the peer covering the grants' segments; connects when needed.
 
         Called with ``peer.lock`` held. A connection broken by a verbs error is replaced here (torn down and
@@ -824,8 +879,7 @@ class RdmaTransport(Transport):
         self._count("connects")
         return peer.conn
 
-    def _connect(self, endpoint: str, grants: list[Grant], need_write: bool,
-                 deadline: Deadline) -> _Connection:
+    def _connect(self, endpoint: str, grants: list[Grant], need_write: bool, deadline: Deadline) -> _Connection:
         remaining = deadline.remaining()
         timeout = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
         if timeout <= 0:
@@ -839,10 +893,12 @@ class RdmaTransport(Transport):
             qp.to_init(Access.LOCAL_WRITE)
             port = self._ctx.port_info()
             local = QpInfo(qp.qp_num, port.lid, port.gid, secrets.randbits(24), port.mtu)
-            request = {"qp": qp_info_to_json(local), "access": "rw" if need_write else "r",
-                       "grants": [grant_to_json(g) for g in grants]}
-            sock, reply = exchange_rdma_connect(endpoint, _encode(request), token=self._token,
-                                                timeout=timeout)
+            request = {
+                "qp": qp_info_to_json(local),
+                "access": "rw" if need_write else "r",
+                "grants": [grant_to_json(g) for g in grants],
+            }
+            sock, reply = exchange_rdma_connect(endpoint, _encode(request), token=self._token, timeout=timeout)
             doc = _decode(reply, "RDMA_CONNECT reply")
             remote = qp_info_from_json(doc.get("qp"))
             raw_regions = doc.get("regions")
@@ -858,8 +914,14 @@ class RdmaTransport(Transport):
             _cleanup(qp, cq, sock)
             raise
         writable = doc.get("access") == "rw"
-        logger.debug("rdma %s: connected QP %d -> %d (%d regions, %s)", endpoint, local.qp_num, remote.qp_num,
-                     len(regions), "rw" if writable else "r")
+        logger.debug(
+            "rdma %s: connected QP %d -> %d (%d regions, %s)",
+            endpoint,
+            local.qp_num,
+            remote.qp_num,
+            len(regions),
+            "rw" if writable else "r",
+        )
         return _Connection(endpoint, sock, qp, cq, regions, writable, self.send_queue_depth)
 
     def close(self) -> None:
@@ -892,8 +954,9 @@ def _cleanup(qp: QueuePair | None, cq: CompletionQueue | None, sock: socket.sock
 
 
 # ---------------------------------------------------------------------- the control exchange (client side)
-def exchange_rdma_connect(endpoint: str, payload: bytes, *, token: bytes = b"",
-                          timeout: float = 2.0) -> tuple[socket.socket, bytes]:
+def exchange_rdma_connect(
+    endpoint: str, payload: bytes, *, token: bytes = b"", timeout: float = 2.0
+) -> tuple[socket.socket, bytes]:
     """Send RDMA_CONNECT to a store's data-plane port; returns the still-open socket and the reply payload.
 
     HELLO (the cluster token) goes first when ``token`` is set, as on every framed connection. The socket is
@@ -914,8 +977,7 @@ def exchange_rdma_connect(endpoint: str, payload: bytes, *, token: bytes = b"",
         if token:
             status, reply = _roundtrip(sock, Op.HELLO, 1, token)
             if status != ErrorCode.OK:
-                raise KvPoolError(ErrorCode.AUTH_FAILED,
-                                  f"{endpoint} refused the cluster token: {status.name}")
+                raise KvPoolError(ErrorCode.AUTH_FAILED, f"{endpoint} refused the cluster token: {status.name}")
         status, reply = _roundtrip(sock, Op.RDMA_CONNECT, 2, payload)
         if status != ErrorCode.OK:
             raise KvPoolError(status, f"{endpoint} refused RDMA_CONNECT: {_reason(reply)}")
@@ -971,10 +1033,19 @@ class RdmaResponder:
     Close the responder before unmapping the segments: its MRs pin their pages.
     """
 
-    def __init__(self, verbs: Verbs, segments: Mapping[int, SegmentMemory],
-                 secrets_by_segment: Mapping[int, bytes], *, device: str | None = None, port: int = 1,
-                 gid_index: int = 0, max_mr_bytes: int | None = None, max_qps: int = 1024,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        verbs: Verbs,
+        segments: Mapping[int, SegmentMemory],
+        secrets_by_segment: Mapping[int, bytes],
+        *,
+        device: str | None = None,
+        port: int = 1,
+        gid_index: int = 0,
+        max_mr_bytes: int | None = None,
+        max_qps: int = 1024,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         if device is None:
             devices = verbs.list_devices()
             if not devices:
@@ -1008,12 +1079,15 @@ class RdmaResponder:
         try:
             mrs = register_chunked(self._ctx, base, segment.size, access, self.max_mr_bytes)
         except VerbsError as exc:
-            raise KvPoolError(ErrorCode.TRANSFER_FAILED, f"cannot register segment {segment_id} for RDMA: "
-                                                         f"{exc} (memlock ulimit? see docs/rdma.md)") from exc
+            raise KvPoolError(
+                ErrorCode.TRANSFER_FAILED,
+                f"cannot register segment {segment_id} for RDMA: {exc} (memlock ulimit? see docs/rdma.md)",
+            ) from exc
         with self._lock:
             self._mrs[segment_id] = mrs
-            self._regions[segment_id] = [RemoteRegion(segment_id, mr.addr - base, mr.length, mr.addr, mr.rkey)
-                                         for mr in mrs]
+            self._regions[segment_id] = [
+                RemoteRegion(segment_id, mr.addr - base, mr.length, mr.addr, mr.rkey) for mr in mrs
+            ]
 
     def add_segment(self, segment_id: int, segment: SegmentMemory, secret: bytes) -> None:
         """Serve one more segment over RDMA (register it; its grants verify with ``secret``)."""
@@ -1068,8 +1142,9 @@ class RdmaResponder:
         with self._lock:
             return sum(len(v) for v in self._admitted.values())
 
-    def handle_connect(self, payload: bytes | bytearray | memoryview, *, conn_id: Hashable,
-                       token_verified: bool = False) -> tuple[ErrorCode, bytes]:
+    def handle_connect(
+        self, payload: bytes | bytearray | memoryview, *, conn_id: Hashable, token_verified: bool = False
+    ) -> tuple[ErrorCode, bytes]:
         """Answer one RDMA_CONNECT: (status for the reply header, reply payload). Never raises.
 
         ``token_verified`` says the connection presented the cluster token (HELLO); without it the request
@@ -1112,8 +1187,7 @@ class RdmaResponder:
         _close_quietly(self._ctx)
 
     # ---- inside
-    def _connect(self, payload: bytes | bytearray | memoryview, conn_id: Hashable,
-                 token_verified: bool) -> bytes:
+    def _connect(self, payload: bytes | bytearray | memoryview, conn_id: Hashable, token_verified: bool) -> bytes:
         doc = _decode(payload, "RDMA_CONNECT")
         remote = qp_info_from_json(doc.get("qp"))
         raw_grants = doc.get("grants", [])
@@ -1145,8 +1219,7 @@ class RdmaResponder:
         with self._lock:
             regions = [r.to_json() for s in sorted(segments) for r in self._regions.get(s, [])]
         local = QpInfo(qp.qp_num, port.lid, port.gid, psn, mtu)
-        return _encode({"qp": qp_info_to_json(local), "access": "rw" if writable else "r",
-                        "regions": regions})
+        return _encode({"qp": qp_info_to_json(local), "access": "rw" if writable else "r", "regions": regions})
 
     def _authorize(self, grants: list[Grant], token_verified: bool) -> tuple[frozenset[int], bool]:
         """Which segments the peer may reach and whether it may write.

@@ -29,11 +29,14 @@ class TransportSet:
         from kvpool.transfer.factory import make_transports
 
         # The cluster token opens every data-plane connection (HELLO), as it opens the master's.
-        transports = make_transports(node, prefer_rdma=getattr(config, "use_rdma", False),
-                                      use_shm=getattr(config, "use_shm", False),
-                                      token=load_token(getattr(config, "token_file", "")),
-                                      connections_per_store=config.connections_per_store,
-                                      stripe_bytes=config.stripe_bytes)
+        transports = make_transports(
+            node,
+            prefer_rdma=getattr(config, "use_rdma", False),
+            use_shm=getattr(config, "use_shm", False),
+            token=load_token(getattr(config, "token_file", "")),
+            connections_per_store=config.connections_per_store,
+            stripe_bytes=config.stripe_bytes,
+        )
         return cls(transports, node)
 
     def order(self, replicas: list[Replica]) -> list[Replica]:
@@ -57,8 +60,10 @@ class TransportSet:
             # One transport serves the whole batch: its own transfer() has the faster single-batch path.
             return self._transports[next(iter(groups))].transfer(requests, deadline)
         # Submit every group first, then wait: transports run concurrently.
-        batches = [(positions, self._transports[t].submit([requests[p] for p in positions], deadline))
-                   for t, positions in groups.items()]
+        batches = [
+            (positions, self._transports[t].submit([requests[p] for p in positions], deadline))
+            for t, positions in groups.items()
+        ]
         codes = [ErrorCode.INTERNAL] * len(requests)
         for positions, batch in batches:
             for position, code in zip(positions, batch.wait(deadline), strict=True):

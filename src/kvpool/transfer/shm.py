@@ -56,7 +56,7 @@ class ShmTransport(Transport):
         self._node = node
         self._token = token
         self._lock = threading.Lock()
-        self._maps: dict[str, _Mapping | None] = {}   # path -> mapping (None: cannot be mapped here)
+        self._maps: dict[str, _Mapping | None] = {}  # path -> mapping (None: cannot be mapped here)
         self._record_socks: dict[str, socket.socket] = {}
         self._disabled = envs.KVPOOL_DISABLE_SHM.get()
 
@@ -85,8 +85,9 @@ class ShmTransport(Transport):
             if codes[i] == ErrorCode.OK and request.op == GrantOp.WRITE:
                 records.setdefault(request.replica.tcp_endpoint, []).append(i)
         for endpoint, positions in records.items():
-            for i, code in zip(positions, self._record(endpoint, [requests[i] for i in positions], deadline),
-                               strict=True):
+            for i, code in zip(
+                positions, self._record(endpoint, [requests[i] for i in positions], deadline), strict=True
+            ):
                 codes[i] = code
         return CompletedBatch(codes)
 
@@ -97,7 +98,7 @@ class ShmTransport(Transport):
             return ErrorCode.TRANSFER_FAILED
         if len(request.buffer) != replica.length:
             return ErrorCode.INVALID_ARGUMENT
-        with mapping.view[replica.offset:replica.offset + replica.length] as window:
+        with mapping.view[replica.offset : replica.offset + replica.length] as window:
             if request.op == GrantOp.READ:
                 request.buffer[:] = window
             else:
@@ -108,8 +109,9 @@ class ShmTransport(Transport):
         """Pipeline one RECORD per written object to the store, then read the answers in order."""
         frames_out = []
         for n, request in enumerate(requests):
-            desc = frames.TransferDesc(request.replica.grant(GrantOp.WRITE, request.key), request.checksum, 0,
-                                       request.replica.length).pack()
+            desc = frames.TransferDesc(
+                request.replica.grant(GrantOp.WRITE, request.key), request.checksum, 0, request.replica.length
+            ).pack()
             frames_out.append(frames.pack_header(frames.Op.RECORD, n, len(desc)) + desc)
         sock: socket.socket | None = None
         try:

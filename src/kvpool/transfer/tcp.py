@@ -111,8 +111,9 @@ class FrameReader:
 
     __slots__ = ("sock", "before_recv", "_buf", "_view", "_start", "_end")
 
-    def __init__(self, sock: socket.socket, size: int = READ_AHEAD,
-                 before_recv: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, size: int = READ_AHEAD, before_recv: Callable[[], None] | None = None
+    ) -> None:
         self.sock = sock
         self.before_recv = before_recv
         self._buf = bytearray(size)
@@ -130,7 +131,7 @@ class FrameReader:
             self._fill(n)
         start = self._start
         self._start = start + n
-        return self._view[start:start + n]
+        return self._view[start : start + n]
 
     def wait_readable(self) -> bool:
         """Block until at least one byte is buffered; False on a clean EOF at a frame boundary."""
@@ -144,12 +145,12 @@ class FrameReader:
     def _fill(self, n: int) -> None:
         if self._start + n > len(self._buf):  # compact: move the unread tail to the front
             tail = self._end - self._start
-            self._view[:tail] = self._view[self._start:self._end]
+            self._view[:tail] = self._view[self._start : self._end]
             self._start, self._end = 0, tail
         while self._end - self._start < n:
             if self.before_recv is not None:
                 self.before_recv()
-            got = self.sock.recv_into(self._view[self._end:], len(self._buf) - self._end)
+            got = self.sock.recv_into(self._view[self._end :], len(self._buf) - self._end)
             if got == 0:
                 raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
             self._end += got
@@ -158,7 +159,7 @@ class FrameReader:
         """Fill ``dest`` exactly: read-ahead bytes first, then straight from the socket."""
         take = min(self._end - self._start, len(dest))
         if take:
-            dest[:take] = self._view[self._start:self._start + take]
+            dest[:take] = self._view[self._start : self._start + take]
             self._start += take
         recv_all_into(self.sock, dest[take:], self.before_recv)
 
@@ -188,8 +189,12 @@ def recv_all_into(sock: socket.socket, view: memoryview, before: Callable[[], No
         view = view[got:]
 
 
-def send_all(sock: socket.socket, frame: bytes, payload: memoryview | None = None,
-             before: Callable[[], None] | None = None) -> None:
+def send_all(
+    sock: socket.socket,
+    frame: bytes,
+    payload: memoryview | None = None,
+    before: Callable[[], None] | None = None,
+) -> None:
     """Send ``frame`` then ``payload`` with ``sendmsg`` (the payload is not copied), looping on short sends;
     ``before`` runs before each syscall (as in :func:`recv_all_into`)."""
     head = memoryview(frame)
@@ -199,7 +204,7 @@ def send_all(sock: socket.socket, frame: bytes, payload: memoryview | None = Non
             before()
         sent = sock.sendmsg([head, body] if head and body else [head or body])
         taken = min(sent, len(head))
-        head, body = head[taken:], body[sent - taken:]
+        head, body = head[taken:], body[sent - taken :]
 
 
 # ---------------------------------------------------------------------- jobs and batches
@@ -216,8 +221,16 @@ class _Part:
 
     __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply")
 
-    def __init__(self, index: int, op: Op, view: memoryview, replica: Replica | None = None, key: bytes = b"",
-                 checksum: int = 0, part_offset: int = 0) -> None:
+    def __init__(
+        self,
+        index: int,
+        op: Op,
+        view: memoryview,
+        replica: Replica | None = None,
+        key: bytes = b"",
+        checksum: int = 0,
+        part_offset: int = 0,
+    ) -> None:
         self.index = index  # the request's position in its batch
         self.op = op
         self.view = view  # source (WRITE) / destination (READ) bytes of this part
@@ -234,8 +247,26 @@ class _Part:
         key = self.key
         plen = len(self.view)
         length = DESC.size + len(key) + (plen if self.op == Op.WRITE else 0)
-        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, r.segment_id, r.offset, r.length,
-                             r.expiry_ms, self.checksum, self.part_offset, plen, len(key), r.mac) + key
+        return (
+            _REQUEST.pack(
+                MAGIC,
+                self.op,
+                0,
+                0,
+                req_id,
+                length,
+                r.segment_id,
+                r.offset,
+                r.length,
+                r.expiry_ms,
+                self.checksum,
+                self.part_offset,
+                plen,
+                len(key),
+                r.mac,
+            )
+            + key
+        )
 
 
 class _Job:
@@ -350,8 +381,7 @@ class _Lane:
         self._req_id = 0
         self._closed = False
         self.load = 0  # bytes assigned and not yet moved (approximate; for dealing parts)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvpool-tcp-{endpoint.name}-{index}")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvpool-tcp-{endpoint.name}-{index}")
         self._thread.start()
 
     # ---- called by other threads
@@ -583,12 +613,18 @@ class _Lane:
                     raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
                 while next_send < len(parts) and len(inflight) < window:
                     part = parts[next_send]
-                    if inflight and (inflight[0][1].op != part.op  # one direction at a time (docstring)
-                                     or inflight_bytes + len(part.view) > max_bytes):
+                    if inflight and (
+                        inflight[0][1].op != part.op  # one direction at a time (docstring)
+                        or inflight_bytes + len(part.view) > max_bytes
+                    ):
                         break
                     self._req_id += 1
-                    send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None,
-                             self._rearm)
+                    send_all(
+                        sock,
+                        part.frame(self._req_id),
+                        part.view if part.op == Op.WRITE else None,
+                        self._rearm,
+                    )
                     inflight.append((self._req_id, part))
                     inflight_bytes += len(part.view)
                     next_send += 1
@@ -618,8 +654,7 @@ class _Lane:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
         if code == ErrorCode.OK and part.op == Op.READ:
             if length != len(part.view):
-                raise _Broken(ErrorCode.BAD_FRAME,
-                              f"READ answered with {length} bytes, {len(part.view)} asked")
+                raise _Broken(ErrorCode.BAD_FRAME, f"READ answered with {length} bytes, {len(part.view)} asked")
             reader.read_into(part.view)
         elif code == ErrorCode.OK and part.op == Op.STORE_INFO:
             if length > MAX_INFO_BYTES:
@@ -666,10 +701,11 @@ class _Endpoint:
                     return picked
         if len(lanes) < count:  # a new lane is idle too
             self._create(min(count, len(lanes) + n_parts - len(picked)))
-            picked += self._lanes[len(lanes):]
+            picked += self._lanes[len(lanes) :]
         if len(picked) < n_parts:  # every lane is busy: the least loaded
-            picked += sorted((lane for lane in self._lanes if lane not in picked),
-                             key=lambda lane: lane.load)[:n_parts - len(picked)]
+            picked += sorted((lane for lane in self._lanes if lane not in picked), key=lambda lane: lane.load)[
+                : n_parts - len(picked)
+            ]
         return picked[:n_parts]
 
     def _create(self, count: int) -> None:
@@ -714,13 +750,21 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, connections_per_endpoint: int = 4, stripe_bytes: int = 1 << 20,
-                 connect_timeout: float = 2.0, window: int = 16, socket_buffer: int = SOCKET_BUFFER,
-                 reconnect_cooldown_s: float = 1.0, inflight_bytes: int | None = None,
-                 token: bytes = b"") -> None:
+    def __init__(
+        self,
+        connections_per_endpoint: int = 4,
+        stripe_bytes: int = 1 << 20,
+        connect_timeout: float = 2.0,
+        window: int = 16,
+        socket_buffer: int = SOCKET_BUFFER,
+        reconnect_cooldown_s: float = 1.0,
+        inflight_bytes: int | None = None,
+        token: bytes = b"",
+    ) -> None:
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
-            raise KvPoolError(ErrorCode.INVALID_ARGUMENT,
-                              "connections_per_endpoint, stripe_bytes and window must be >= 1")
+            raise KvPoolError(
+                ErrorCode.INVALID_ARGUMENT, "connections_per_endpoint, stripe_bytes and window must be >= 1"
+            )
         self.window = window
         # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
         # socket buffers (measured: a deeper pipeline is slower on loopback, as it leaves the CPU caches).
@@ -851,8 +895,10 @@ class TcpTransport(Transport):
             return [_Part(index, op, view[:length], replica, req.key, req.checksum)]
         n_parts = -(-length // self.stripe_bytes)
         size = -(-length // n_parts)  # near-equal parts, so every lane finishes at about the same time
-        return [_Part(index, op, view[off:min(off + size, length)], replica, req.key, req.checksum, off)
-                for off in range(0, length, size)]
+        return [
+            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off)
+            for off in range(0, length, size)
+        ]
 
     def _deal(self, batch: _Batch, endpoint: _Endpoint, parts: list[_Part]) -> list[tuple[_Lane, _Job]]:
         """Give each part to the least-loaded lane (bytes queued + a per-request cost), in order."""
@@ -869,5 +915,8 @@ class TcpTransport(Transport):
             cost = len(part.view) + _PART_OVERHEAD
             loads[i] += cost
             added[i] += cost
-        return [(lane, _Job(batch, lane_parts, cost))
-                for lane, lane_parts, cost in zip(lanes, per_lane, added, strict=True) if lane_parts]
+        return [
+            (lane, _Job(batch, lane_parts, cost))
+            for lane, lane_parts, cost in zip(lanes, per_lane, added, strict=True)
+            if lane_parts
+        ]

@@ -469,8 +469,10 @@ class _PvCQ(CompletionQueue):
             count, wcs = self.cq.poll(max_entries)
         except Exception as exc:
             raise _wrap("poll CQ", exc) from exc
-        return [Completion(int(wc.wr_id), WcStatus.of(int(wc.status)), int(wc.byte_len), int(wc.vendor_err))
-                for wc in list(wcs)[:count]]
+        return [
+            Completion(int(wc.wr_id), WcStatus.of(int(wc.status)), int(wc.byte_len), int(wc.vendor_err))
+            for wc in list(wcs)[:count]
+        ]
 
     def close(self) -> None:
         try:

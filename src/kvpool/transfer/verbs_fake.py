@@ -129,8 +129,14 @@ class FakeVerbs(Verbs):
 
     name = "fake"
 
-    def __init__(self, fabric: FakeFabric | None = None, devices: tuple[str, ...] = ("fake_mlx5_0",),
-                 max_mr_bytes: int = 1 << 30, max_qp_wr: int = 1024, mtu: Mtu = Mtu.MTU_4096) -> None:
+    def __init__(
+        self,
+        fabric: FakeFabric | None = None,
+        devices: tuple[str, ...] = ("fake_mlx5_0",),
+        max_mr_bytes: int = 1 << 30,
+        max_qp_wr: int = 1024,
+        mtu: Mtu = Mtu.MTU_4096,
+    ) -> None:
         self.fabric = fabric if fabric is not None else FakeFabric()
         self.devices = devices
         self.max_mr_bytes = max_mr_bytes
@@ -146,8 +152,9 @@ class FakeVerbs(Verbs):
 
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> FakeContext:
         if device not in self.devices:
-            raise VerbsError(f"no RDMA device named {device!r} (have {', '.join(self.devices) or 'none'})",
-                             errno.ENODEV)
+            raise VerbsError(
+                f"no RDMA device named {device!r} (have {', '.join(self.devices) or 'none'})", errno.ENODEV
+            )
         if port != 1:
             raise VerbsError(f"device {device} has no port {port}", errno.EINVAL)
         ctx = FakeContext(self, device, gid_index)
@@ -192,8 +199,9 @@ class FakeContext(DeviceContext):
             if length <= 0 or address <= 0:
                 raise VerbsError(f"cannot register {length} bytes at {address:#x}", errno.EINVAL)
             if length > self.max_mr_bytes:
-                raise VerbsError(f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}",
-                                 errno.EINVAL)
+                raise VerbsError(
+                    f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}", errno.EINVAL
+                )
             faults = self.fabric.faults
             if faults.reg_mr_failures > 0:
                 faults.reg_mr_failures -= 1
@@ -247,8 +255,7 @@ class FakeContext(DeviceContext):
 
 
 class FakeMR(MemoryRegion):
-    def __init__(self, ctx: FakeContext, addr: int, length: int, access: Access, lkey: int,
-                 rkey: int) -> None:
+    def __init__(self, ctx: FakeContext, addr: int, length: int, access: Access, lkey: int, rkey: int) -> None:
         self.ctx = ctx
         self.addr = addr
         self.length = length

@@ -14,9 +14,17 @@ from kvpool.common.keys import Namespace, namespace_seed, page_keys
 from kvpool.common.units import format_size, parse_duration, parse_size
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("4GiB", 4 << 30), ("4g", 4 << 30), ("512MB", 512_000_000), ("1.5KiB", 1536), ("4096", 4096), (7, 7),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 << 30),
+        ("4g", 4 << 30),
+        ("512MB", 512_000_000),
+        ("1.5KiB", 1536),
+        ("4096", 4096),
+        (7, 7),
+    ],
+)
 def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
@@ -71,8 +79,14 @@ def test_grants_verify_and_bind_every_field() -> None:
     grant = grants.make_grant(secret, grants.GrantOp.WRITE, 7, 4096, 100, 123, b"key")
     assert grants.verify(secret, grant)
     assert not grants.verify(grants.new_secret(), grant)
-    for change in ({"offset": 0}, {"length": 101}, {"segment_id": 8}, {"key": b"kex"}, {"expiry_ms": 124},
-                   {"op": grants.GrantOp.READ}):
+    for change in (
+        {"offset": 0},
+        {"length": 101},
+        {"segment_id": 8},
+        {"key": b"kex"},
+        {"expiry_ms": 124},
+        {"op": grants.GrantOp.READ},
+    ):
         assert not grants.verify(secret, dataclasses.replace(grant, **change)), change
 
 

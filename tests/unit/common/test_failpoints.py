@@ -21,7 +21,11 @@ def _reset() -> object:
 def test_parse() -> None:
     table = failpoints.parse("a=sleep:0.5, b=exit,c=raise, d")
     assert {k: (v.kind, v.seconds) for k, v in table.items()} == {
-        "a": ("sleep", 0.5), "b": ("exit", 0.0), "c": ("raise", 0.0), "d": ("exit", 0.0)}
+        "a": ("sleep", 0.5),
+        "b": ("exit", 0.0),
+        "c": ("raise", 0.0),
+        "d": ("exit", 0.0),
+    }
     with pytest.raises(ValueError, match="unknown failpoint action"):
         failpoints.parse("a=explode")
 
@@ -44,10 +48,14 @@ def test_raise_and_sleep(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
 
 
 def test_exit_stops_the_process_without_cleanup() -> None:
-    code = ("from kvpool.common.failpoints import failpoint\n"
-            "try:\n    failpoint('x')\nfinally:\n    print('cleanup')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={"KVPOOL_FAILPOINTS": "x=exit", "PATH": "/usr/bin:/bin"})
+    code = "from kvpool.common.failpoints import failpoint\ntry:\n    failpoint('x')\nfinally:\n    print('cleanup')"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"KVPOOL_FAILPOINTS": "x=exit", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == failpoints.EXIT_CODE
     assert "cleanup" not in done.stdout
     assert "kvpool failpoint x hit" in done.stderr

@@ -75,8 +75,14 @@ class Cluster:
             secret=secret_of(segment_id),
         )
 
-    def mount(self, segment_id: int, size: int, inventory: Iterable[InventoryItem] = (),
-              remount: bool = False, **changes: Any) -> MountResult:
+    def mount(
+        self,
+        segment_id: int,
+        size: int,
+        inventory: Iterable[InventoryItem] = (),
+        remount: bool = False,
+        **changes: Any,
+    ) -> MountResult:
         spec = replace(self.spec(segment_id, size), **changes)
         return self.state.mount_segment(spec, inventory, remount)
 

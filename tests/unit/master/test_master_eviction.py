@@ -14,8 +14,7 @@ from kvpool.master.state import MasterState
 # ====================================================================== policies
 
 
-def cand(key: str, last_access: float, size: int = 100, soft: bool = False,
-         put_time: float = 0.0) -> Candidate:
+def cand(key: str, last_access: float, size: int = 100, soft: bool = False, put_time: float = 0.0) -> Candidate:
     return Candidate(key, last_access, size, soft, put_time)
 
 
@@ -28,8 +27,12 @@ def test_lru_takes_oldest_first_until_enough_bytes() -> None:
 
 
 def test_lru_puts_soft_pinned_last_whatever_their_age() -> None:
-    cands = [cand("pinned-old", 0.5, soft=True), cand("b", 2.0), cand("a", 1.0),
-             cand("pinned", 1.5, soft=True)]
+    cands = [
+        cand("pinned-old", 0.5, soft=True),
+        cand("b", 2.0),
+        cand("a", 1.0),
+        cand("pinned", 1.5, soft=True),
+    ]
     assert LruPolicy().select(cands, 200) == ["a", "b"]
     assert LruPolicy().select(cands, 400) == ["a", "b", "pinned-old", "pinned"]
 
@@ -201,7 +204,7 @@ def test_sampled_eviction_is_approximately_lru() -> None:
     c = Cluster(segments={1: 2000 * PAGE}, num_shards=64, eviction_sample_factor=8)
     keys = [f"k{i:04d}" for i in range(1000)]
     for i in range(0, 1000, 100):
-        c.put(*keys[i:i + 100], size=PAGE)
+        c.put(*keys[i : i + 100], size=PAGE)
         c.advance(1)
     for _ in range(3):  # successive calls start at different shards
         report = c.state.evict(10 * PAGE)

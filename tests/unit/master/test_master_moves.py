@@ -496,8 +496,10 @@ def test_ssd_tier_replicas_are_drained_too() -> None:
 
     c = Cluster(segments={1: MiB, 2: MiB}, nodes={11: "node1"}, stores={11: "store1"})
     assert c.put("both", size=4 * KiB, preferred_segments=[1]) == [OK]
-    ssd = [InventoryItem("ssd-only", 0, 4 * KiB, checksum_of("ssd-only"), tier=1),
-           InventoryItem("both", 4 * KiB, 4 * KiB, checksum_of("both"), tier=1)]
+    ssd = [
+        InventoryItem("ssd-only", 0, 4 * KiB, checksum_of("ssd-only"), tier=1),
+        InventoryItem("both", 4 * KiB, 4 * KiB, checksum_of("both"), tier=1),
+    ]
     assert c.mount(11, MiB, ssd, tier=1, shm_path="").adopted == 2
     assert sorted(on(c, "both")) == [1, 11]
     drain(c, 1, 11)

@@ -31,8 +31,13 @@ class Seg:
 SEGS = [Seg(1, "a", 100, 10), Seg(2, "b", 100, 90), Seg(3, "a", 200, 100), Seg(4, "c", 100, 50)]
 
 
-def choose(policy: PlacementPolicy, segments: Sequence[SegmentView] = SEGS, exclude: set[int] | None = None,
-           preferred: Sequence[int] = (), writer_node: str = "") -> list[int]:
+def choose(
+    policy: PlacementPolicy,
+    segments: Sequence[SegmentView] = SEGS,
+    exclude: set[int] | None = None,
+    preferred: Sequence[int] = (),
+    writer_node: str = "",
+) -> list[int]:
     return policy.choose(segments, 10, 1, exclude or set(), preferred, writer_node)
 
 
@@ -92,8 +97,15 @@ def test_a_full_segment_is_skipped_in_favour_of_the_next_candidate() -> None:
 
 def test_policy_duplicates_do_not_put_two_replicas_on_one_segment() -> None:
     class Stubborn:
-        def choose(self, segments: Sequence[SegmentView], size: int, count: int, exclude: set[int],
-                   preferred: Sequence[int], writer_node: str) -> list[int]:
+        def choose(
+            self,
+            segments: Sequence[SegmentView],
+            size: int,
+            count: int,
+            exclude: set[int],
+            preferred: Sequence[int],
+            writer_node: str,
+        ) -> list[int]:
             return [1, 1, 1, 2, 99]
 
     c = Cluster(segments={1: MiB, 2: MiB}, state_kwargs={"placement": Stubborn()})

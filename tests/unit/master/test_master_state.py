@@ -327,8 +327,12 @@ def test_mount_with_inventory_rebuilds_objects_and_allocator() -> None:
     assert (result.code, result.adopted, result.rejected) == (OK, 20, 0)
     for k, r in before.items():
         [got] = fresh.get(k, lease=False)
-        assert (got.code, got.size, got.checksum, got.replicas[0].offset) == (OK, r.size, r.checksum,
-                                                                              r.replicas[0].offset)
+        assert (got.code, got.size, got.checksum, got.replicas[0].offset) == (
+            OK,
+            r.size,
+            r.checksum,
+            r.replicas[0].offset,
+        )
     assert fresh.used(1) == c.used(1)
     # New puts never land on adopted ranges.
     new = fresh.start(*[f"n{i}" for i in range(50)], size=3000)
@@ -365,8 +369,9 @@ def test_mount_rejects_overlapping_out_of_range_and_garbage_entries() -> None:
 def test_inventory_conflicting_with_an_existing_object_is_rejected() -> None:
     c = Cluster(segments={1: MiB})
     c.put("k", size=1000)
-    result = c.mount(2, MiB, inventory=[InventoryItem("k", 0, 999, checksum_of("k")),
-                                        InventoryItem("k", 4096, 1000, 42)])
+    result = c.mount(
+        2, MiB, inventory=[InventoryItem("k", 0, 999, checksum_of("k")), InventoryItem("k", 4096, 1000, 42)]
+    )
     assert (result.adopted, result.rejected) == (0, 2)
     result = c.mount(3, MiB, inventory=[InventoryItem("k", 4096, 1000, checksum_of("k"))])
     assert (result.adopted, result.rejected) == (1, 0)  # a second replica of the same object
@@ -431,7 +436,7 @@ def test_heartbeat_delivers_at_most_ten_thousand_notifications() -> None:
     c = Cluster(segments={1: MiB})
     keys = [f"k{i}" for i in range(HEARTBEAT_FREED_LIMIT + 50)]
     for i in range(0, len(keys), 4096):
-        assert set(c.put(*keys[i:i + 4096], size=64)) == {OK}
+        assert set(c.put(*keys[i : i + 4096], size=64)) == {OK}
     assert c.state.remove_all() == len(keys)
     first = c.state.heartbeat("store1", [1], 0).freed
     assert len(first) == HEARTBEAT_FREED_LIMIT
@@ -490,7 +495,7 @@ def test_memory_per_object_is_under_400_bytes() -> None:
     try:
         base = tracemalloc.get_traced_memory()[0]
         for i in range(0, n, batch):
-            chunk = keys[i:i + batch]
+            chunk = keys[i : i + batch]
             sizes = [int(str(320 * KiB)) for _ in chunk]  # distinct int objects, as the wire gives them
             c.state.put_start("c1", chunk, sizes)
             c.state.put_end("c1", chunk, [random.getrandbits(64) for _ in chunk])

@@ -167,7 +167,11 @@ def test_reads_of_an_ssd_only_object_promote_it_after_two_hits() -> None:
     assert [r.tier for r in res.replicas] == [1]  # this read is still served from SSD
     [promote] = tasks(c)
     assert (promote.kind, promote.key, promote.src_segment, promote.dst_segment) == (
-        TaskKind.PROMOTE, "k0", SSD, DRAM)
+        TaskKind.PROMOTE,
+        "k0",
+        SSD,
+        DRAM,
+    )
     assert promote.src_offset == res.replicas[0].offset
     report(c, [(promote, E.OK)])
     assert tiers_of(c, "k0") == [0, 1]
@@ -215,8 +219,7 @@ def test_ssd_watermark_drops_the_least_recently_used_ssd_replicas() -> None:
     assert c.state.tiers.maintain() == 3  # 6 pages > 5: down to 3 pages
     assert c.present(keys) == ["k0", "k4", "k5", "k6", "k7"]
     deletes = [t for t in tasks(c) if t.kind == TaskKind.DELETE]
-    assert sorted(t.dst_offset for t in deletes) == sorted(
-        t.dst_offset for t in demotes if t.key in ("k1", "k2", "k3"))
+    assert sorted(t.dst_offset for t in deletes) == sorted(t.dst_offset for t in demotes if t.key in ("k1", "k2", "k3"))
     c.check()
 
 
@@ -288,7 +291,10 @@ def test_ssd_segments_take_no_puts_and_are_not_dram_capacity() -> None:
     assert c.used(SSD) == 0
     stats = c.state.stats()
     assert (stats.capacity, stats.ssd_capacity, stats.allocatable_capacity) == (
-        10 * PAGE, 20 * PAGE, 10 * PAGE)
+        10 * PAGE,
+        20 * PAGE,
+        10 * PAGE,
+    )
     assert {s.id: s.tier for s in stats.segments} == {DRAM: 0, SSD: 1}
 
 
@@ -313,7 +319,9 @@ def test_the_replica_status_of_a_demoting_copy_is_processing() -> None:
     shard = c.state._shards.shard_of(b"k0")
     replicas = shard.objects["k0"].replica_list()
     assert [(r.segment_id, r.status) for r in replicas] == [
-        (DRAM, ReplicaStatus.COMPLETE), (SSD, ReplicaStatus.PROCESSING)]
+        (DRAM, ReplicaStatus.COMPLETE),
+        (SSD, ReplicaStatus.PROCESSING),
+    ]
 
 
 def test_an_abandoned_promotion_holds_its_dram_range_until_the_store_cannot_write_it() -> None:

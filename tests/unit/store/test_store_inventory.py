@@ -15,8 +15,7 @@ from kvpool.store.inventory import Inventory, InventoryEntry
 SEG = 7
 
 
-def write_whole(inv: Inventory, offset: int, length: int, key: bytes, checksum: int = 1,
-                seg: int = SEG) -> bool:
+def write_whole(inv: Inventory, offset: int, length: int, key: bytes, checksum: int = 1, seg: int = SEG) -> bool:
     inv.begin_write(seg, offset, length, key, checksum)
     return inv.record_part(seg, offset, length, key, checksum, 0, length)
 
@@ -219,8 +218,7 @@ def test_concurrent_parts_from_many_threads() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(length=st.integers(1, 64),
-       parts=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 64)), max_size=12))
+@given(length=st.integers(1, 64), parts=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 64)), max_size=12))
 def test_complete_exactly_when_the_parts_cover_the_object(length: int, parts: list[tuple[int, int]]) -> None:
     inv = Inventory()
     covered: set[int] = set()
@@ -266,4 +264,3 @@ def test_chunked_sorted_offsets_match_a_sorted_list(ops: list[tuple[bool, int]],
             model.discard(v)
     assert list(s) == sorted(model)
     assert list(s.below(bound)) == sorted((v for v in model if v < bound), reverse=True)
-

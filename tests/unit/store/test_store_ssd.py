@@ -131,7 +131,8 @@ def test_a_restart_re_adopts_every_live_object(tmp_path: Path) -> None:
 
 
 def test_corrupt_and_truncated_objects_are_skipped_with_a_log_line(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     d = tmp_path / "ssd"
     first = SsdTier(d, CAP)
     for i in range(6):
@@ -146,8 +147,10 @@ def test_corrupt_and_truncated_objects_are_skipped_with_a_log_line(
     caplog.set_level(logging.WARNING, logger="kvpool.store.ssd")
     second, scan = reopen(d)
     assert scan.adopted == 4
-    assert dict(scan.dropped) == {4096: "value checksum mismatch",
-                                  5 * 4096: f"data file truncated ({5 * 4096 + 1000} bytes)"}
+    assert dict(scan.dropped) == {
+        4096: "value checksum mismatch",
+        5 * 4096: f"data file truncated ({5 * 4096 + 1000} bytes)",
+    }
     assert [e.key for e in second.entries()] == [b"k0", b"k2", b"k3", b"k4"]
     assert "dropping b'k1' at offset 4096: value checksum mismatch" in caplog.text
     assert "dropping b'k5'" in caplog.text
@@ -157,8 +160,7 @@ def test_corrupt_and_truncated_objects_are_skipped_with_a_log_line(
     third.close()
 
 
-def test_a_torn_journal_keeps_the_records_before_the_damage(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_torn_journal_keeps_the_records_before_the_damage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = tmp_path / "ssd"
     first = SsdTier(d, CAP)
     for i in range(3):
@@ -223,25 +225,65 @@ def test_worker_demotes_promotes_and_deletes(tmp_path: Path, tier: SsdTier) -> N
         data = value(3000, 9)
         seg.view[1024:4024] = data
         worker = TierWorker(FakeLink([]), "s", tier, 9, seg, inventory)
-        demote = pb.TierTask(id=1, kind=pb.TIER_DEMOTE, key="obj", src_segment=5, src_offset=1024,
-                             dst_segment=9, dst_offset=4096, length=3000, checksum=checksum(data))
+        demote = pb.TierTask(
+            id=1,
+            kind=pb.TIER_DEMOTE,
+            key="obj",
+            src_segment=5,
+            src_offset=1024,
+            dst_segment=9,
+            dst_offset=4096,
+            length=3000,
+            checksum=checksum(data),
+        )
         assert worker.execute(demote) == E.OK
         assert tier.entries() == [SsdEntry(b"obj", 4096, 3000, checksum(data))]
-        bad = pb.TierTask(id=2, kind=pb.TIER_DEMOTE, key="x", src_segment=5, src_offset=0, dst_segment=9,
-                          dst_offset=0, length=100, checksum=1)
+        bad = pb.TierTask(
+            id=2,
+            kind=pb.TIER_DEMOTE,
+            key="x",
+            src_segment=5,
+            src_offset=0,
+            dst_segment=9,
+            dst_offset=0,
+            length=100,
+            checksum=1,
+        )
         assert worker.execute(bad) == E.CHECKSUM_MISMATCH
-        promote = pb.TierTask(id=3, kind=pb.TIER_PROMOTE, key="obj", src_segment=9, src_offset=4096,
-                              dst_segment=5, dst_offset=8192, length=3000, checksum=checksum(data))
+        promote = pb.TierTask(
+            id=3,
+            kind=pb.TIER_PROMOTE,
+            key="obj",
+            src_segment=9,
+            src_offset=4096,
+            dst_segment=5,
+            dst_offset=8192,
+            length=3000,
+            checksum=checksum(data),
+        )
         assert worker.execute(promote) == E.OK
         assert bytes(seg.view[8192:11192]) == data
         assert inventory.entries(5) == [InventoryEntry(5, b"obj", 8192, 3000, checksum(data))]
-        foreign = pb.TierTask(id=4, kind=pb.TIER_PROMOTE, key="obj", src_segment=9, src_offset=4096,
-                              dst_segment=6, dst_offset=0, length=3000, checksum=checksum(data))
+        foreign = pb.TierTask(
+            id=4,
+            kind=pb.TIER_PROMOTE,
+            key="obj",
+            src_segment=9,
+            src_offset=4096,
+            dst_segment=6,
+            dst_offset=0,
+            length=3000,
+            checksum=checksum(data),
+        )
         assert worker.execute(foreign) == E.SEGMENT_NOT_FOUND
         assert worker.execute(pb.TierTask(id=5, kind=pb.TIER_DELETE, dst_segment=9, dst_offset=4096)) == E.OK
         assert len(tier) == 0
         assert (worker.stats.demoted, worker.stats.promoted, worker.stats.deleted, worker.stats.failed) == (
-            1, 1, 1, 2)
+            1,
+            1,
+            1,
+            2,
+        )
     finally:
         seg.close()
 
@@ -251,8 +293,18 @@ def test_worker_never_starts_a_task_past_its_deadline(tmp_path: Path, tier: SsdT
     try:
         data = bytes(seg.view[0:100])
         worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
-        late = pb.TierTask(id=1, kind=pb.TIER_DEMOTE, key="k", src_segment=5, src_offset=0, dst_segment=9,
-                           dst_offset=0, length=100, checksum=checksum(data), deadline_ms=1)
+        late = pb.TierTask(
+            id=1,
+            kind=pb.TIER_DEMOTE,
+            key="k",
+            src_segment=5,
+            src_offset=0,
+            dst_segment=9,
+            dst_offset=0,
+            length=100,
+            checksum=checksum(data),
+            deadline_ms=1,
+        )
         assert worker.execute(late) == E.TIMEOUT
         assert len(tier) == 0
         late.deadline_ms = 2**62
@@ -266,8 +318,17 @@ def test_worker_reports_results_with_its_next_poll(tmp_path: Path, tier: SsdTier
     try:
         data = value(500)
         seg.view[0:500] = data
-        task = pb.TierTask(id=7, kind=pb.TIER_DEMOTE, key="k", src_segment=5, src_offset=0, dst_segment=9,
-                           dst_offset=0, length=500, checksum=checksum(data))
+        task = pb.TierTask(
+            id=7,
+            kind=pb.TIER_DEMOTE,
+            key="k",
+            src_segment=5,
+            src_offset=0,
+            dst_segment=9,
+            dst_offset=0,
+            length=500,
+            checksum=checksum(data),
+        )
         link = FakeLink([pb.TierTasksResponse(tasks=[task])])
         worker = TierWorker(link, "s", tier, 9, seg, Inventory(), idle_s=0.01)
         worker.start()
@@ -290,8 +351,13 @@ def test_serve_tier_read_sends_the_granted_part_and_refuses_bad_grants(tier: Ssd
     assert put(tier, 4096, b"obj", data) == E.OK
     secret = b"s" * 32
 
-    def desc(key: bytes = b"obj", part: tuple[int, int] = (1000, 5000), expiry: int = 2**62,
-             length: int = 10_000, sign_with: bytes = secret) -> TransferDesc:
+    def desc(
+        key: bytes = b"obj",
+        part: tuple[int, int] = (1000, 5000),
+        expiry: int = 2**62,
+        length: int = 10_000,
+        sign_with: bytes = secret,
+    ) -> TransferDesc:
         mac = grants.sign(sign_with, grants.GrantOp.READ, 9, 4096, length, expiry, key)
         return TransferDesc(grants.Grant(grants.GrantOp.READ, 9, 4096, length, expiry, key, mac), 0, *part)
 
@@ -306,8 +372,7 @@ def test_serve_tier_read_sends_the_granted_part_and_refuses_bad_grants(tier: Ssd
         assert serve_tier_read(a, tier, secret, desc(expiry=999), 1, 1000)[0] == E.GRANT_EXPIRED
         assert serve_tier_read(a, tier, secret, desc(part=(9000, 2000)), 1, 1000)[0] == E.OUT_OF_BOUNDS
         assert serve_tier_read(a, tier, secret, desc(key=b"other"), 1, 1000)[0] == E.OBJECT_NOT_FOUND
-        assert serve_tier_read(a, tier, secret, desc(length=9000, part=(0, 10)), 1, 1000)[0] == (
-            E.OBJECT_NOT_FOUND)
+        assert serve_tier_read(a, tier, secret, desc(length=9000, part=(0, 10)), 1, 1000)[0] == (E.OBJECT_NOT_FOUND)
     finally:
         a.close()
         b.close()

@@ -114,8 +114,7 @@ class ControlServer:
                     if self.token and not verified:
                         status, body = ErrorCode.AUTH_FAILED, b""
                     else:
-                        status, body = self.responder.handle_connect(payload, conn_id=conn_id,
-                                                                     token_verified=verified)
+                        status, body = self.responder.handle_connect(payload, conn_id=conn_id, token_verified=verified)
                 else:
                     conn.sendall(frames.pack_header(head.op, head.req_id, 0, ErrorCode.UNKNOWN_OP))
                     return
@@ -156,13 +155,27 @@ class Rig:
     server: ControlServer
     transport: RdmaTransport
 
-    def replica(self, op: GrantOp, key: bytes, offset: int, length: int,
-                expiry_ms: int = FAR_FUTURE_MS, secret: bytes | None = None) -> Replica:
+    def replica(
+        self,
+        op: GrantOp,
+        key: bytes,
+        offset: int,
+        length: int,
+        expiry_ms: int = FAR_FUTURE_MS,
+        secret: bytes | None = None,
+    ) -> Replica:
         mac = sign(secret or self.secret, op, SEG_ID, offset, length, expiry_ms, key)
         return Replica(SEG_ID, "store-node", self.server.endpoint, "", offset, length, expiry_ms, mac)
 
-    def request(self, op: GrantOp, key: bytes, offset: int, buffer: bytearray | bytes,
-                length: int | None = None, **kw: object) -> TransferRequest:
+    def request(
+        self,
+        op: GrantOp,
+        key: bytes,
+        offset: int,
+        buffer: bytearray | bytes,
+        length: int | None = None,
+        **kw: object,
+    ) -> TransferRequest:
         n = len(buffer) if length is None else length
         replica = self.replica(op, key, offset, n, **kw)  # type: ignore[arg-type]
         return TransferRequest(op, key, replica, memoryview(buffer))
@@ -172,8 +185,13 @@ class Rig:
         return self.transport.transfer([request], _deadline())[0]
 
 
-def make_rig(max_mr_bytes: int = 4 * MiB, segment_size: int = 16 * MiB, token: bytes = b"",
-             client_token: bytes = b"", **transport_kw: object) -> Rig:
+def make_rig(
+    max_mr_bytes: int = 4 * MiB,
+    segment_size: int = 16 * MiB,
+    token: bytes = b"",
+    client_token: bytes = b"",
+    **transport_kw: object,
+) -> Rig:
     fabric = FakeFabric()
     client_verbs = FakeVerbs(fabric, devices=("fake_client",), max_mr_bytes=max_mr_bytes)
     store_verbs = FakeVerbs(fabric, devices=("fake_store",), max_mr_bytes=max_mr_bytes)
@@ -181,8 +199,7 @@ def make_rig(max_mr_bytes: int = 4 * MiB, segment_size: int = 16 * MiB, token: b
     secret = new_secret()
     responder = RdmaResponder(store_verbs, {SEG_ID: segment}, {SEG_ID: secret})
     server = ControlServer(responder, token=token)
-    transport = RdmaTransport(client_verbs, max_mr_bytes=max_mr_bytes, token=client_token,
-                              **transport_kw)  # type: ignore[arg-type]
+    transport = RdmaTransport(client_verbs, max_mr_bytes=max_mr_bytes, token=client_token, **transport_kw)  # type: ignore[arg-type]
     transport.note_store_info(server.endpoint, {"rdma": responder.advertisement()})
     return Rig(fabric, client_verbs, store_verbs, segment, secret, responder, server, transport)
 
@@ -304,8 +321,7 @@ def test_register_chunked_is_all_or_nothing() -> None:
 def test_plan_pieces_cuts_at_every_boundary() -> None:
     base = 0x10_0000_0000
     local = [(base, 4 * MiB, 11), (base + 4 * MiB, 4 * MiB, 12)]
-    regions = [RemoteRegion(SEG_ID, i * 3 * MiB, 3 * MiB, 0x7000_0000 + i * 3 * MiB, 100 + i)
-               for i in range(4)]
+    regions = [RemoteRegion(SEG_ID, i * 3 * MiB, 3 * MiB, 0x7000_0000 + i * 3 * MiB, 100 + i) for i in range(4)]
     start, offset, length = base + MiB, 2 * MiB, 6 * MiB
     pieces = plan_pieces(start, local, offset, regions, length, max_chunk=2 * MiB)
     assert sum(p.length for p in pieces) == length
@@ -335,7 +351,7 @@ def test_10mib_transfer_with_4mib_mr_limit_is_three_work_requests(rig: Rig) -> N
     writes = rig.fabric.posted[before:]
     assert [wr.length for wr in writes] == [4 * MiB, 4 * MiB, 2 * MiB]
     assert all(wr.opcode == Opcode.RDMA_WRITE for wr in writes)
-    assert rig.segment.view[:10 * MiB] == data
+    assert rig.segment.view[: 10 * MiB] == data
     before = len(rig.fabric.posted)
     codes = rig.transport.transfer([rig.request(GrantOp.READ, b"big", 0, back)], _deadline())
     assert codes == [ErrorCode.OK]
@@ -350,7 +366,7 @@ def test_object_straddling_two_store_mrs(rig: Rig) -> None:
     offset = 3 * MiB  # the store's MRs are [0, 4 MiB), [4, 8 MiB), ...
     assert rig.one(rig.request(GrantOp.WRITE, b"k", offset, data)) == ErrorCode.OK
     assert [wr.length for wr in rig.fabric.posted[before:]] == [MiB, MiB]
-    assert rig.segment.view[offset:offset + len(data)] == data
+    assert rig.segment.view[offset : offset + len(data)] == data
 
 
 # ---------------------------------------------------------------------- round trips
@@ -367,7 +383,7 @@ def test_many_objects_round_trip_beyond_the_send_queue_depth() -> None:
         def req(op: GrantOp, i: int, buf: memoryview) -> TransferRequest:
             key = b"k%d" % i
             replica = r.replica(op, key, 64 + i * size, size)
-            return TransferRequest(op, key, replica, buf[i * size:(i + 1) * size])
+            return TransferRequest(op, key, replica, buf[i * size : (i + 1) * size])
 
         writes = [req(GrantOp.WRITE, i, view) for i in range(n)]
         assert r.transport.transfer(writes, _deadline()) == [ErrorCode.OK] * n
@@ -403,26 +419,38 @@ def test_register_memory_is_refcounted_and_unregister_frees(rig: Rig) -> None:
 
 def test_request_validation_codes(rig: Rig) -> None:
     small = bytearray(10)
-    codes = rig.transport.transfer([
-        rig.request(GrantOp.READ, b"a", 0, small, length=100),  # destination too small
-        rig.request(GrantOp.READ, b"b", 0, bytes(100)),  # read into read-only memory
-        rig.request(GrantOp.WRITE, b"c", 0, small, length=20),  # source length != object length
-        rig.request(GrantOp.READ, b"d", 0, bytearray(100), expiry_ms=1),  # grant long expired
-        rig.request(GrantOp.READ, b"x" * 600, 0, bytearray(8)),  # key too long
-        rig.request(GrantOp.READ, b"e", 16 * MiB, bytearray(8)),  # outside the segment
-    ], _deadline())
-    assert codes == [ErrorCode.BUFFER_TOO_SMALL, ErrorCode.INVALID_ARGUMENT, ErrorCode.INVALID_ARGUMENT,
-                     ErrorCode.GRANT_EXPIRED, ErrorCode.KEY_TOO_LONG, ErrorCode.OUT_OF_BOUNDS]
+    codes = rig.transport.transfer(
+        [
+            rig.request(GrantOp.READ, b"a", 0, small, length=100),  # destination too small
+            rig.request(GrantOp.READ, b"b", 0, bytes(100)),  # read into read-only memory
+            rig.request(GrantOp.WRITE, b"c", 0, small, length=20),  # source length != object length
+            rig.request(GrantOp.READ, b"d", 0, bytearray(100), expiry_ms=1),  # grant long expired
+            rig.request(GrantOp.READ, b"x" * 600, 0, bytearray(8)),  # key too long
+            rig.request(GrantOp.READ, b"e", 16 * MiB, bytearray(8)),  # outside the segment
+        ],
+        _deadline(),
+    )
+    assert codes == [
+        ErrorCode.BUFFER_TOO_SMALL,
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.GRANT_EXPIRED,
+        ErrorCode.KEY_TOO_LONG,
+        ErrorCode.OUT_OF_BOUNDS,
+    ]
 
 
 # ---------------------------------------------------------------------- completion errors and reconnects
-@pytest.mark.parametrize(("status", "code"), [
-    (WcStatus.REM_ACCESS_ERR, ErrorCode.TRANSFER_FAILED),
-    (WcStatus.LOC_PROT_ERR, ErrorCode.TRANSFER_FAILED),
-    (WcStatus.FATAL_ERR, ErrorCode.TRANSFER_FAILED),
-    (WcStatus.RETRY_EXC_ERR, ErrorCode.TIMEOUT),
-    (WcStatus.RNR_RETRY_EXC_ERR, ErrorCode.TIMEOUT),
-])
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        (WcStatus.REM_ACCESS_ERR, ErrorCode.TRANSFER_FAILED),
+        (WcStatus.LOC_PROT_ERR, ErrorCode.TRANSFER_FAILED),
+        (WcStatus.FATAL_ERR, ErrorCode.TRANSFER_FAILED),
+        (WcStatus.RETRY_EXC_ERR, ErrorCode.TIMEOUT),
+        (WcStatus.RNR_RETRY_EXC_ERR, ErrorCode.TIMEOUT),
+    ],
+)
 def test_completion_errors_map_to_codes_and_reconnect(rig: Rig, status: WcStatus, code: ErrorCode) -> None:
     data = bytearray(os.urandom(64 * 1024))
     rig.transport.register_memory(memoryview(data))
@@ -447,8 +475,9 @@ def test_reconnect_after_an_injected_qp_error(rig: Rig) -> None:
     rig.transport.register_memory(memoryview(back))
     assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"q", 0, data)], _deadline()) == [ErrorCode.OK]
     assert rig.fabric.break_qps() == 2  # the client's and the store's QP: a link flap
-    assert rig.transport.transfer([rig.request(GrantOp.READ, b"q", 0, back)], _deadline()) == \
-        [ErrorCode.TRANSFER_FAILED]
+    assert rig.transport.transfer([rig.request(GrantOp.READ, b"q", 0, back)], _deadline()) == [
+        ErrorCode.TRANSFER_FAILED
+    ]
     assert rig.transport.transfer([rig.request(GrantOp.READ, b"q", 0, back)], _deadline()) == [ErrorCode.OK]
     assert back == data
     assert rig.transport.stats.connects == 2
@@ -459,8 +488,9 @@ def test_reconnect_after_an_injected_qp_error(rig: Rig) -> None:
 def test_refused_post_tears_down_and_reconnects(rig: Rig) -> None:
     data = bytearray(os.urandom(64 * 1024))
     rig.fabric.faults.post_failures = 1
-    assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"p", 0, data)], _deadline()) == \
-        [ErrorCode.TRANSFER_FAILED]
+    assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"p", 0, data)], _deadline()) == [
+        ErrorCode.TRANSFER_FAILED
+    ]
     assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"p", 0, data)], _deadline()) == [ErrorCode.OK]
     assert rig.transport.stats.connects == 2
 
@@ -487,11 +517,11 @@ def test_repeatedly_broken_peer_goes_into_cooldown_and_can_reach_turns_false() -
         assert r.transport.can_reach(replica)
         for _ in range(3):
             r.fabric.faults.completion_errors = [WcStatus.RETRY_EXC_ERR]
-            assert r.transport.transfer([r.request(GrantOp.WRITE, b"c", 0, data)], _deadline()) == \
-                [ErrorCode.TIMEOUT]
+            assert r.transport.transfer([r.request(GrantOp.WRITE, b"c", 0, data)], _deadline()) == [ErrorCode.TIMEOUT]
         # three connections in a row that never completed anything: TCP serves this store for a while
-        assert r.transport.transfer([r.request(GrantOp.WRITE, b"c", 0, data)], _deadline()) == \
-            [ErrorCode.CONNECTION_FAILED]
+        assert r.transport.transfer([r.request(GrantOp.WRITE, b"c", 0, data)], _deadline()) == [
+            ErrorCode.CONNECTION_FAILED
+        ]
         assert not r.transport.can_reach(replica)
     finally:
         _teardown(r)
@@ -575,8 +605,9 @@ def test_token_holders_connect_with_hello() -> None:
         _teardown(r)
     r = make_rig(token=b"cluster-secret", client_token=b"wrong")
     try:
-        assert r.transport.transfer([r.request(GrantOp.WRITE, b"t", 0, bytearray(8))], _deadline()) == \
-            [ErrorCode.AUTH_FAILED]
+        assert r.transport.transfer([r.request(GrantOp.WRITE, b"t", 0, bytearray(8))], _deadline()) == [
+            ErrorCode.AUTH_FAILED
+        ]
     finally:
         _teardown(r)
 
@@ -587,8 +618,15 @@ def test_exchange_over_loopback_and_responder_refusals(rig: Rig) -> None:
     port = ctx.port_info()
     qp_doc = {"qp_num": qp.qp_num, "lid": port.lid, "gid": port.gid, "psn": 5, "mtu": int(port.mtu)}
     mac = sign(rig.secret, GrantOp.READ, SEG_ID, 0, 8, FAR_FUTURE_MS, b"k")
-    grant = {"op": 1, "segment_id": SEG_ID, "offset": 0, "length": 8, "expiry_ms": FAR_FUTURE_MS,
-             "key": b"k".hex(), "mac": mac.hex()}
+    grant = {
+        "op": 1,
+        "segment_id": SEG_ID,
+        "offset": 0,
+        "length": 8,
+        "expiry_ms": FAR_FUTURE_MS,
+        "key": b"k".hex(),
+        "mac": mac.hex(),
+    }
 
     import json
 
@@ -640,8 +678,15 @@ def test_responder_limits_connections() -> None:
             port = client.port_info()
             mac = sign(secret, GrantOp.READ, SEG_ID, 0, 8, FAR_FUTURE_MS, b"k")
             qp_doc = {"qp_num": qp.qp_num, "lid": port.lid, "gid": port.gid, "psn": 1, "mtu": 5}
-            grant = {"op": 1, "segment_id": SEG_ID, "offset": 0, "length": 8, "expiry_ms": FAR_FUTURE_MS,
-                     "key": "6b", "mac": mac.hex()}
+            grant = {
+                "op": 1,
+                "segment_id": SEG_ID,
+                "offset": 0,
+                "length": 8,
+                "expiry_ms": FAR_FUTURE_MS,
+                "key": "6b",
+                "mac": mac.hex(),
+            }
             return json.dumps({"v": 1, "qp": qp_doc, "grants": [grant]}).encode()
 
         assert responder.handle_connect(payload(), conn_id=1)[0] == ErrorCode.OK
@@ -703,7 +748,8 @@ class _ImportErrorVerbs(FakeVerbs):
 
 @pytest.mark.usefixtures("fresh_log_once")
 def test_discover_devices_treats_every_failure_as_no_rdma_and_logs_once(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     raising = FakeVerbs(FakeFabric())
     raising.fabric.faults.list_devices_error = RuntimeError("Failed to get devices list")
     with caplog.at_level(logging.INFO, logger="kvpool"):
@@ -739,6 +785,7 @@ def test_factory_puts_rdma_first_only_when_a_device_exists(caplog: pytest.LogCap
 def test_close_is_idempotent_and_refuses_new_work(rig: Rig) -> None:
     rig.transport.close()
     rig.transport.close()
-    assert rig.transport.transfer([rig.request(GrantOp.READ, b"k", 0, bytearray(8))], _deadline()) == \
-        [ErrorCode.SHUTTING_DOWN]
+    assert rig.transport.transfer([rig.request(GrantOp.READ, b"k", 0, bytearray(8))], _deadline()) == [
+        ErrorCode.SHUTTING_DOWN
+    ]
     assert not rig.transport.can_reach(rig.replica(GrantOp.READ, b"k", 0, 8))

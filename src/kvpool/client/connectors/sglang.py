@@ -100,18 +100,26 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._stats = _FallbackStorageMetrics()
         self._enable_stats = bool(storage_config.enable_storage_metrics)
         if storage_config.should_split_heads:
-            log.warning("kvpool: tp_lcm_size head splitting is not supported; pages are keyed per TP rank "
-                        "and TP size, so instances of different TP sizes do not share")
-        log.info("kvpool HiCache backend: master %s, namespace prefix %r, %s, writer=%s",
-                 self.pool.config.master, self.namespace.prefix, "MLA" if self.namespace.mla else "MHA",
-                 self.is_writer)
+            log.warning(
+                "kvpool: tp_lcm_size head splitting is not supported; pages are keyed per TP rank "
+                "and TP size, so instances of different TP sizes do not share"
+            )
+        log.info(
+            "kvpool HiCache backend: master %s, namespace prefix %r, %s, writer=%s",
+            self.pool.config.master,
+            self.namespace.prefix,
+            "MLA" if self.namespace.mla else "MHA",
+            self.is_writer,
+        )
 
     # --- configuration ----------------------------------------------------------------------------
 
     @staticmethod
     def _client_config(extra: dict[str, Any]) -> ClientConfig:
-        cfg = ClientConfig(master=str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
-                           timeout_s=float(_config_value(extra, "timeout_s", 5.0)))
+        cfg = ClientConfig(
+            master=str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
+            timeout_s=float(_config_value(extra, "timeout_s", 5.0)),
+        )
         for name in ("token_file", "cluster"):
             if name in extra:
                 setattr(cfg, name, str(extra[name]))
@@ -133,17 +141,25 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             parts.append(f"cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
         if cfg.dcp_size > 1:
             parts.append(f"dcp{cfg.dcp_rank}of{cfg.dcp_size}")
-        return Namespace(model=_clean(cfg.model_name or ""), tp_rank=cfg.tp_rank, pp_rank=cfg.pp_rank,
-                         pp_size=cfg.pp_size, mla=bool(cfg.is_mla_model),
-                         tag="-".join(p for p in parts if p))
+        return Namespace(
+            model=_clean(cfg.model_name or ""),
+            tp_rank=cfg.tp_rank,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+            mla=bool(cfg.is_mla_model),
+            tag="-".join(p for p in parts if p),
+        )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = str(getattr(mem_pool_host, "layout", _DEFAULT_LAYOUT))
         self.namespace = self._namespace(self.layout)
         if self.layout not in _V1_LAYOUTS:
-            log.warning("kvpool: host layout %s has no per-object pointers: pages go through flat copies "
-                        "(use --hicache-mem-layout page_first for zero-copy)", self.layout)
+            log.warning(
+                "kvpool: host layout %s has no per-object pointers: pages go through flat copies "
+                "(use --hicache-mem-layout page_first for zero-copy)",
+                self.layout,
+            )
         buffer = getattr(mem_pool_host, "kv_buffer", None)
         if isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.numel():
             try:  # a no-op for TCP; an RDMA memory region where RDMA is used
@@ -179,8 +195,13 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def _page_meta(self, keys: list[str], host_indices: Any) -> tuple[list[int], list[int]] | None:
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(keys) * self.per_page:
-            log.error("kvpool: %d pointers for %d pages (layout %s); expected %d per page",
-                      len(ptrs), len(keys), self.layout, self.per_page)
+            log.error(
+                "kvpool: %d pointers for %d pages (layout %s); expected %d per page",
+                len(ptrs),
+                len(keys),
+                self.layout,
+                self.per_page,
+            )
             return None
         return [int(p) for p in ptrs], [int(s) for s in sizes]
 
@@ -188,8 +209,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         # DeepSeek-V4-style pools have no physical KV buffer: side pools (v2) carry the data.
         return getattr(self.mem_pool_host, "kv_buffer", True) is None
 
-    def batch_get_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         if not keys:
             return []
         if self._logical_anchor():
@@ -206,8 +228,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._record("prefetch", _leading(ok), sum(sizes), time.perf_counter() - start)
         return ok
 
-    def batch_set_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         if not keys:
             return []
         if not self.is_writer or self._logical_anchor():
@@ -231,8 +254,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         codes = [0 if e == 1 else -1 for e in exists]
         missing = [i for i, e in enumerate(exists) if e != 1]
         if missing:
-            put = self.pool.batch_put_from([objects[i] for i in missing], [views[i] for i in missing],
-                                           timeout=self.timeout_s)
+            put = self.pool.batch_put_from(
+                [objects[i] for i in missing], [views[i] for i in missing], timeout=self.timeout_s
+            )
             for i, code in zip(missing, put, strict=True):
                 codes[i] = code
         return codes
@@ -266,15 +290,17 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             raise ValueError(f"a flat page of {nbytes} bytes does not split into {self.per_page} objects")
         view = ptr_view(flat.data_ptr(), nbytes)
         part = nbytes // self.per_page
-        return [view[i * part:(i + 1) * part] for i in range(self.per_page)]
+        return [view[i * part : (i + 1) * part] for i in range(self.per_page)]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """Read pages into flat page tensors (allocated from the host pool when not given); None = miss."""
         if not keys:
             return []
-        targets = list(target_locations) if target_locations is not None else [
-            self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        targets = (
+            list(target_locations)
+            if target_locations is not None
+            else [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        )
         views = [v for t in targets for v in self._split(t)]
         start = time.perf_counter()
         codes = self.pool.batch_get_into(self._object_keys(keys), views, timeout=self.timeout_s)
@@ -285,8 +311,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Store flat page tensors; True iff every page is in the pool afterwards."""
         if not keys:
             return True
