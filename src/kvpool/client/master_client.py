@@ -25,8 +25,12 @@ from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto import master_pb2_grpc as pb_grpc
+from kvpool.transfer.tcp import set_io_timeout
 
 log = get_logger(__name__)
+
+# A kernel receive/send timeout (SO_RCVTIMEO) surfaces as EAGAIN, a Python-level one as socket.timeout.
+_TIMEOUT_ERRORS = (socket.timeout, BlockingIOError)
 R = TypeVar("R")
 
 # Master answers that mean "ask another master" rather than "this call failed".
@@ -152,6 +156,8 @@ class MasterClient:
             endpoint = self._discover(deadline)
         sock = socket.create_connection(split_endpoint(endpoint), timeout=_timeout(deadline, 2.0))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking with kernel timeouts (set per call): settimeout() would poll() before every recv.
+        sock.settimeout(None)
         if self._token:
             self._roundtrip(sock, frames.Op.HELLO, self._token, deadline)
         return sock
@@ -164,7 +170,7 @@ class MasterClient:
         sock.close()
 
     def _roundtrip(self, sock: socket.socket, op: int, body: bytes, deadline: Deadline) -> bytearray:
-        sock.settimeout(_timeout(deadline, 30.0))
+        set_io_timeout(sock, _timeout(deadline, 30.0))
         req_id = next(self._req_ids)
         sock.sendall(frames.pack_header(op, req_id, len(body)) + body)
         head = frames.recv_header(sock)
@@ -200,14 +206,14 @@ class MasterClient:
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
                 if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
                     raise
-                timed_out = isinstance(exc, socket.timeout) or deadline.expired()
+                timed_out = isinstance(exc, _TIMEOUT_ERRORS) or deadline.expired()
                 if timed_out and time.monotonic() - started < _MIN_BREAKER_WAIT_S:
                     raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
                 self.invalidate()
                 if attempt == 0 and not deadline.expired():
                     continue  # a stale pooled connection (master restarted): one fresh try
                 self._breaker.failure()
-                if isinstance(exc, socket.timeout) or deadline.expired():
+                if isinstance(exc, _TIMEOUT_ERRORS) or deadline.expired():
                     raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
                 raise KvPoolError(ErrorCode.UNAVAILABLE, f"master call {op.name}: {exc}") from exc
             status_code = as_code(response.status.code)
