@@ -39,34 +39,28 @@ def put_options(cfg: pb.PutConfig) -> st.PutOptions:
     )
 
 
+def _replica_fields(r: st.ReplicaGrant) -> dict[str, Any]:
+    return {
+        "segment_id": r.segment_id,
+        "node": r.node,
+        "tcp_endpoint": r.tcp_endpoint,
+        "shm_path": r.shm_path,
+        "offset": r.offset,
+        "length": r.length,
+        "expiry_ms": r.expiry_ms,
+        "mac": r.mac,
+        "tier": r.tier,
+    }
+
+
 def replica(r: st.ReplicaGrant) -> pb.ReplicaDescriptor:
-    return pb.ReplicaDescriptor(
-        segment_id=r.segment_id,
-        node=r.node,
-        tcp_endpoint=r.tcp_endpoint,
-        shm_path=r.shm_path,
-        offset=r.offset,
-        length=r.length,
-        expiry_ms=r.expiry_ms,
-        mac=r.mac,
-        tier=r.tier,
-    )
+    return pb.ReplicaDescriptor(**_replica_fields(r))
 
 
 def fill_replicas(out: Any, replicas: Sequence[st.ReplicaGrant]) -> None:
     """Append replica descriptors in place (``repeated.add``: no intermediate message to copy)."""
     for r in replicas:
-        out.add(
-            segment_id=r.segment_id,
-            node=r.node,
-            tcp_endpoint=r.tcp_endpoint,
-            shm_path=r.shm_path,
-            offset=r.offset,
-            length=r.length,
-            expiry_ms=r.expiry_ms,
-            mac=r.mac,
-            tier=r.tier,
-        )
+        out.add(**_replica_fields(r))
 
 
 def fill_put_start_results(out: Any, results: Sequence[st.PutStartResult]) -> None:
