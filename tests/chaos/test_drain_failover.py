@@ -15,6 +15,7 @@ import pytest
 
 from kvpool.client.master_client import MasterClient
 from kvpool.common.errors import KvPoolError
+from kvpool.master.moves import MAX_IN_FLIGHT_PER_STORE
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools.bench_failover import wait_for_leader
 from kvpool.tools.etcd_process import etcd_binary
@@ -96,7 +97,10 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
             f"{doc['objects_moved']} in all ({doc['bytes_moved'] / 2**20:.1f} MiB) "
             f"in {doc['seconds']:.2f} s; done {time.monotonic() - killed:.2f} s after the kill"
         )
-        assert doc["objects_moved"] >= on_a
+        # Moves whose copy landed just before the kill are not moved again: the new leader re-adopts the
+        # copy from the target's inventory and drops the source replica. At most the moves planned per
+        # target store (MAX_IN_FLIGHT_PER_STORE, 2 targets) can be in that state; everything else is moved.
+        assert doc["objects_moved"] >= on_a - 2 * MAX_IN_FLIGHT_PER_STORE
         assert nodes(cluster)["node-a"]["used"] == 0
         checked, good, bad = load.verify()
         assert bad == [], f"{len(bad)} objects lost: {bad[:10]}"
