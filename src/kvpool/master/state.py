@@ -520,23 +520,8 @@ class MasterState:
             if ssd_hits is not None and all(seg.tier for seg, _ in live):
                 ssd_hits.append(key)
             expiry_ms = int(lease_until * 1000.0 + wall_offset_ms) if grant_lease else no_lease_expiry_ms
-            if len(live) == 1:
-                seg, off = live[0]
-                descs: tuple[ReplicaGrant, ...] = (
-                    ReplicaGrant(
-                        seg.id,
-                        seg.node,
-                        seg.tcp_endpoint,
-                        seg.shm_path,
-                        off,
-                        size,
-                        expiry_ms,
-                        seg.sign(_READ, off, size, expiry_ms, kb),
-                        seg.tier,
-                    ),
-                )
-            else:
-                descs = tuple(
+            descs = tuple(
+                [
                     ReplicaGrant(
                         seg.id,
                         seg.node,
@@ -549,7 +534,8 @@ class MasterState:
                         seg.tier,
                     )
                     for seg, off in live
-                )
+                ]
+            )
             append(GetResult(_OK, size, checksum, expiry_ms, descs))
         if ssd_hits:
             self.tiers.note_hits(ssd_hits)
