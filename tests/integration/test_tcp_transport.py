@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.common.checksum import LazyChecksum, checksum
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, make_grant, new_secret
@@ -583,3 +584,40 @@ def test_a_store_killed_mid_batch_fails_only_that_batch(
     t0 = time.monotonic()
     assert transport.transfer(reqs[:2], Deadline(5)) == [ErrorCode.CONNECTION_FAILED] * 2
     assert time.monotonic() - t0 < 1.0
+
+
+# ---------------------------------------------------------------------- checksums on the lanes
+@pytest.mark.parametrize("stripe", [64 << 10, 4 << 20])
+def test_reads_are_verified_on_the_lane_once_every_part_landed(store: Store, threads_settle: None, stripe: int) -> None:
+    """verify=True: the lane that receives a request's last part compares the bytes with the checksum
+    (striped over 4 lanes with the small stripe, one part with the large one)."""
+    size = (1 << 20) + 5
+    value = random_bytes(size, 7)
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=stripe)
+    try:
+        put = store.request(GrantOp.WRITE, b"k", 0, memoryview(value), checksum=LazyChecksum(memoryview(value)))
+        assert t.transfer([put], Deadline(10)) == [ErrorCode.OK]
+        outs = [bytearray(size) for _ in range(2)]
+        reads = [
+            TransferRequest(GrantOp.READ, b"k", store.replica(GrantOp.READ, b"k", 0, size), memoryview(out), s, True)
+            for out, s in zip(outs, [checksum(value), checksum(value) ^ 1], strict=True)
+        ]
+        assert t.transfer(reads, Deadline(10)) == [ErrorCode.OK, ErrorCode.CHECKSUM_MISMATCH]
+        assert outs[0] == value
+    finally:
+        t.close()
+    assert store.inventory is not None
+    # the lazily computed checksum is the one the store recorded for its inventory
+    assert [e.checksum for e in store.inventory.entries(store.segment_id)] == [checksum(value)]
+
+
+def test_lazy_checksum_is_computed_once_across_threads() -> None:
+    data = memoryview(random_bytes(1 << 20, 3))
+    lazy = LazyChecksum(data)
+    seen: list[int] = []
+    threads = [threading.Thread(target=lambda: seen.append(lazy.value)) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert seen == [checksum(data)] * 8

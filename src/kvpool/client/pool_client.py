@@ -22,7 +22,7 @@ from typing import Any
 from kvpool.client.config import ClientConfig
 from kvpool.client.master_client import MasterClient
 from kvpool.common import envs
-from kvpool.common.checksum import checksum
+from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.failpoints import CLIENT_PUT_BEFORE_END, failpoint
@@ -228,14 +228,14 @@ class PoolClient:
         except KvPoolError as exc:
             self._counters.add(put_errors=len(keys), degraded_calls=1)
             return [int(exc.code)] * len(keys)
-        sums = [0] * len(keys)
+        # Each value's checksum is computed by the transport lane that sends it, just before the send.
+        sums = [LazyChecksum(v) for v in views]
         transfers: list[tuple[int, TransferRequest]] = []
         for i, result in enumerate(started.results):
             code = as_code(result.code)
             if code != ErrorCode.OK:
                 codes[i] = 0 if code in _PUT_OK else int(code)
                 continue
-            sums[i] = checksum(views[i])
             key_bytes = keys[i].encode()
             for desc in result.replicas:
                 transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, _replica(desc), views[i], sums[i])))
@@ -264,7 +264,7 @@ class PoolClient:
         keys: Sequence[str],
         results: Any,
         written: dict[int, ErrorCode],
-        sums: list[int],
+        sums: list[LazyChecksum],
         codes: list[int],
         deadline: Deadline,
     ) -> None:
@@ -282,7 +282,7 @@ class PoolClient:
                     pb.BatchPutEndRequest(
                         client_id=self.client_id,
                         keys=[keys[i] for i in done],
-                        checksums=[sums[i] for i in done],
+                        checksums=[sums[i].value for i in done],
                     ),
                     finish,
                 )
@@ -378,24 +378,27 @@ class PoolClient:
                 pending[i] = self._transports.order([_replica(d) for d in r.replicas])
         while pending:
             batch = {i: replicas.pop(0) for i, replicas in pending.items()}
+            # The transport verifies each object's checksum as soon as its bytes land.
             requests = [
-                TransferRequest(GrantOp.READ, keys[i].encode(), rep, views[i][: results[i].size])
+                TransferRequest(
+                    GrantOp.READ, keys[i].encode(), rep, views[i][: results[i].size], results[i].checksum, True
+                )
                 for i, rep in batch.items()
             ]
             for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
-                code = self._verify(code, views[i][: results[i].size], results[i])
+                code = self._verify(code, results[i])
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
                     del pending[i]
         self._count_reads(codes)
         return codes
 
-    def _verify(self, code: ErrorCode, data: memoryview, result: Any) -> ErrorCode:
+    def _verify(self, code: ErrorCode, result: Any) -> ErrorCode:
+        """The transport checked the bytes against the checksum; the lease must still hold too."""
+        if code == ErrorCode.CHECKSUM_MISMATCH:
+            self._counters.add(checksum_mismatches=1)
         if code != ErrorCode.OK:
             return code
-        if checksum(data) != result.checksum:
-            self._counters.add(checksum_mismatches=1)
-            return ErrorCode.CHECKSUM_MISMATCH
         if self._clock.wall_ms() > result.lease_expiry_ms:
             # The lease ran out during the transfer: the object may have been evicted and its range
             # rewritten while we read it, so these bytes cannot be trusted even if the checksum matched.

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.common.checksum import LazyChecksum, checksum, checksum_value
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import Grant, GrantOp
@@ -41,13 +42,27 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class TransferRequest:
     """One object transfer. ``buffer`` is the source (WRITE) or destination (READ); its length is the
-    object's length. ``checksum`` (WRITE) is recorded in the store's inventory."""
+    object's length.
+
+    WRITE: ``checksum`` is recorded in the store's inventory; a :class:`LazyChecksum` is computed by the
+    transport when it sends the bytes. READ with ``verify``: ``checksum`` is the object's, and the
+    transport compares the landed bytes with it (CHECKSUM_MISMATCH if they differ), as soon as they land.
+    """
 
     op: GrantOp
     key: bytes
     replica: Replica
     buffer: memoryview
-    checksum: int = 0
+    checksum: int | LazyChecksum = 0
+    verify: bool = False
+
+    def write_checksum(self) -> int:
+        return checksum_value(self.checksum)
+
+    def check_landed(self) -> ErrorCode:
+        """Compare the bytes read into ``buffer`` with the object's checksum."""
+        data = self.buffer[: self.replica.length]
+        return ErrorCode.OK if checksum(data) == checksum_value(self.checksum) else ErrorCode.CHECKSUM_MISMATCH
 
 
 class TransferBatch(ABC):
@@ -71,6 +86,8 @@ class Transport(ABC):
     """Moves bytes between local memory and store segments."""
 
     name: str = "abstract"
+    verifies_reads: bool = False
+    """Whether READs with ``verify`` are checked by the transport itself (else TransportSet checks them)."""
 
     def register_memory(self, buffer: memoryview) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make ``buffer`` usable as a zero-copy source/destination (RDMA registers an MR)."""

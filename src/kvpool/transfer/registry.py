@@ -10,6 +10,7 @@ from typing import Any
 
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode
+from kvpool.common.grants import GrantOp
 from kvpool.transfer.base import Replica, TransferRequest, Transport
 
 
@@ -58,15 +59,17 @@ class TransportSet:
             groups.setdefault(self._pick(request.replica), []).append(position)
         if len(groups) == 1:
             # One transport serves the whole batch: its own transfer() has the faster single-batch path.
-            return self._transports[next(iter(groups))].transfer(requests, deadline)
+            transport = self._transports[next(iter(groups))]
+            return _verified(transport, requests, transport.transfer(requests, deadline))
         # Submit every group first, then wait: transports run concurrently.
         batches = [
-            (positions, self._transports[t].submit([requests[p] for p in positions], deadline))
+            (self._transports[t], positions, self._transports[t].submit([requests[p] for p in positions], deadline))
             for t, positions in groups.items()
         ]
         codes = [ErrorCode.INTERNAL] * len(requests)
-        for positions, batch in batches:
-            for position, code in zip(positions, batch.wait(deadline), strict=True):
+        for transport, positions, batch in batches:
+            group = [requests[p] for p in positions]
+            for position, code in zip(positions, _verified(transport, group, batch.wait(deadline)), strict=True):
                 codes[position] = code
         return codes
 
@@ -81,3 +84,13 @@ class TransportSet:
     def close(self) -> None:
         for transport in self._transports:
             transport.close()
+
+
+def _verified(transport: Transport, requests: Sequence[TransferRequest], codes: list[ErrorCode]) -> list[ErrorCode]:
+    """Check READs that asked for verification where the transport does not do it itself."""
+    if transport.verifies_reads:
+        return codes
+    return [
+        req.check_landed() if code == ErrorCode.OK and req.verify and req.op == GrantOp.READ else code
+        for req, code in zip(requests, codes, strict=True)
+    ]

@@ -51,6 +51,7 @@ class ShmTransport(Transport):
     """memcpy to and from segments of stores on this node."""
 
     name = "shm"
+    verifies_reads = True
 
     def __init__(self, node: str, token: bytes = b"") -> None:
         self._node = node
@@ -103,6 +104,8 @@ class ShmTransport(Transport):
                 request.buffer[:] = window
             else:
                 window[:] = request.buffer
+        if request.verify and request.op == GrantOp.READ:
+            return request.check_landed()  # right after the copy, while the bytes are in cache
         return ErrorCode.OK
 
     def _record(self, endpoint: str, requests: list[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
@@ -110,7 +113,10 @@ class ShmTransport(Transport):
         frames_out = []
         for n, request in enumerate(requests):
             desc = frames.TransferDesc(
-                request.replica.grant(GrantOp.WRITE, request.key), request.checksum, 0, request.replica.length
+                request.replica.grant(GrantOp.WRITE, request.key),
+                request.write_checksum(),
+                0,
+                request.replica.length,
             ).pack()
             frames_out.append(frames.pack_header(frames.Op.RECORD, n, len(desc)) + desc)
         sock: socket.socket | None = None

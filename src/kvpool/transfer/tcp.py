@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.common.checksum import LazyChecksum, checksum_value
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import GrantOp
@@ -216,10 +217,29 @@ class _Broken(Exception):
         self.code = code
 
 
+class _ReadCheck:
+    """Verifies one READ request's bytes once its last part has landed (on the lane that received it)."""
+
+    __slots__ = ("request", "left", "lock")
+
+    def __init__(self, request: TransferRequest, parts: int) -> None:
+        self.request = request
+        self.left = parts
+        self.lock = threading.Lock() if parts > 1 else None
+
+    def landed(self) -> ErrorCode:
+        if self.lock is not None:
+            with self.lock:
+                self.left -= 1
+                if self.left:
+                    return ErrorCode.OK
+        return self.request.check_landed()
+
+
 class _Part:
     """One request on the wire: a part of one object (or a control op, with no replica)."""
 
-    __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply")
+    __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply", "check")
 
     def __init__(
         self,
@@ -228,17 +248,19 @@ class _Part:
         view: memoryview,
         replica: Replica | None = None,
         key: bytes = b"",
-        checksum: int = 0,
+        checksum: int | LazyChecksum = 0,
         part_offset: int = 0,
+        check: _ReadCheck | None = None,
     ) -> None:
         self.index = index  # the request's position in its batch
         self.op = op
         self.view = view  # source (WRITE) / destination (READ) bytes of this part
         self.replica = replica  # where, and the master's grant (mac, expiry) for the whole object
         self.key = key
-        self.checksum = checksum
+        self.checksum = checksum  # a LazyChecksum is computed here, on the lane, just before the send
         self.part_offset = part_offset
         self.reply = b""  # STORE_INFO's payload
+        self.check = check  # READ with verify: the bytes are checked once the request's last part lands
 
     def frame(self, req_id: int) -> bytes:
         r = self.replica
@@ -259,7 +281,7 @@ class _Part:
                 r.offset,
                 r.length,
                 r.expiry_ms,
-                self.checksum,
+                checksum_value(self.checksum),
                 self.part_offset,
                 plen,
                 len(key),
@@ -630,7 +652,10 @@ class _Lane:
                     next_send += 1
                 req_id, part = inflight.popleft()
                 inflight_bytes -= len(part.view)
-                job.codes.append(self._receive(reader, req_id, part))
+                code = self._receive(reader, req_id, part)
+                if part.check is not None and code == ErrorCode.OK:
+                    code = part.check.landed()
+                job.codes.append(code)
                 job.done += 1
         except BlockingIOError:
             raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
@@ -749,6 +774,7 @@ class TcpTransport(Transport):
     """READ/WRITE of object ranges on stores over pooled, pipelined, striped TCP connections."""
 
     name = "tcp"
+    verifies_reads = True
 
     def __init__(
         self,
@@ -891,12 +917,13 @@ class TcpTransport(Transport):
         if len(req.key) > MAX_KEY_BYTES:
             batch.codes[index] = ErrorCode.KEY_TOO_LONG
             return []
-        if length <= self.stripe_bytes:
-            return [_Part(index, op, view[:length], replica, req.key, req.checksum)]
-        n_parts = -(-length // self.stripe_bytes)
+        n_parts = max(1, -(-length // self.stripe_bytes))
+        check = _ReadCheck(req, n_parts) if req.verify and op == Op.READ else None
+        if n_parts == 1:
+            return [_Part(index, op, view[:length], replica, req.key, req.checksum, 0, check)]
         size = -(-length // n_parts)  # near-equal parts, so every lane finishes at about the same time
         return [
-            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off)
+            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off, check)
             for off in range(0, length, size)
         ]
 
