@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -170,3 +171,37 @@ def test_local_cluster_stop_leaves_no_process(tmp_path: object) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_read_under_a_live_lease_skips_the_master(cluster: LocalCluster) -> None:
+    """The second get of a key, within its lease, makes no master call (the master's hit count stays)."""
+    value = os.urandom(70_000)
+    with client(cluster.master) as pool, client(cluster.master, lease_cache_entries=0) as uncached:
+        assert pool.put("leased", value) == 0
+        assert pool.get("leased") == value
+        hits = pool.stats().hits
+        for _ in range(5):
+            assert pool.get("leased") == value
+        assert pool.stats().hits == hits
+        assert pool.metrics()["lease_cache_hits"] == 5
+        for _ in range(3):
+            assert uncached.get("leased") == value
+        assert pool.stats().hits == hits + 3  # the same reads without the cache each ask the master
+        # this client's own removal forgets the lease at once
+        assert pool.remove("leased", force=True) == 0
+        assert pool.get("leased") is None
+
+
+def test_a_cached_lease_on_a_reused_range_never_returns_the_new_bytes(make_cluster: Any) -> None:
+    """Another client force-removes everything and fills the segment with other objects: a read through the
+    stale cached descriptor fails its checksum, is resolved again at the master, and is a clean miss."""
+    cluster = make_cluster(stores=1, store_size="8MiB")
+    old = os.urandom(1 << 20)
+    with client(cluster.master) as reader, client(cluster.master) as writer:
+        assert reader.put("victim", old) == 0
+        assert reader.get("victim") == old  # leased and cached
+        assert writer.remove_all(force=True) == 1
+        fillers = [os.urandom(768 << 10) for _ in range(9)]
+        assert writer.batch_put_from([f"fill-{i}" for i in range(9)], fillers) == [0] * 9
+        assert reader.get("victim") is None
+        assert reader.metrics()["checksum_mismatches"] >= 1  # the stale range was really read, and refused

@@ -18,6 +18,11 @@ class ClientConfig:
         2 << 20, "Objects larger than this are split over several connections.", parse=parse_size
     )
     replica_num: int = option(0, "Replicas per object (0 = the master's default).")
+    lease_cache_entries: int = option(
+        16384,
+        "Objects whose read lease this client remembers: reading one again while its lease holds skips "
+        "the master (one data round trip). 0 turns it off.",
+    )
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
     use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
     breaker_backoff_s: float = option(

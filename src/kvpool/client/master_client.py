@@ -29,6 +29,8 @@ from kvpool.transfer.tcp import set_io_timeout
 
 log = get_logger(__name__)
 
+# Answers up to this size arrive with their header in one receive (a batch of 1,000 exists answers fits).
+_READ_AHEAD = 16 * 1024
 # A kernel receive/send timeout (SO_RCVTIMEO) surfaces as EAGAIN, a Python-level one as socket.timeout.
 _TIMEOUT_ERRORS = (socket.timeout, BlockingIOError)
 R = TypeVar("R")
@@ -58,6 +60,8 @@ class _Breaker:
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
+        if not self._open_until:  # closed: the common case needs no lock
+            return True
         with self._lock:
             now = time.monotonic()
             if now < self._open_until:
@@ -68,6 +72,8 @@ class _Breaker:
             return True
 
     def success(self) -> None:
+        if not self._open_until and self._backoff == self._base:
+            return
         with self._lock:
             self._open_until = 0.0
             self._backoff = self._base
@@ -80,6 +86,55 @@ class _Breaker:
     @property
     def is_open(self) -> bool:
         return time.monotonic() < self._open_until
+
+
+class _Conn:
+    """One pooled connection to the master's framed endpoint, with what makes a round trip cheap: the
+    kernel timeout currently armed (re-armed only when a call's deadline is much nearer) and a
+    read-ahead buffer, so that a header and a small answer come in one receive."""
+
+    __slots__ = ("sock", "armed", "buf", "view")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.armed = -1.0
+        self.buf = bytearray(_READ_AHEAD)
+        self.view = memoryview(self.buf)
+
+    def arm(self, timeout: float) -> None:
+        # Re-arm when the armed timeout would overshoot this call's by more than 10% (or 2 ms): two
+        # setsockopt calls per round trip would cost more than the comparison.
+        if self.armed < 0 or self.armed - timeout > max(0.002, 0.1 * timeout):
+            set_io_timeout(self.sock, timeout)
+            self.armed = timeout
+
+    def roundtrip(self, frame: bytes, req_id: int) -> tuple[int, bytes]:
+        """Send one request frame; the answer's status and payload."""
+        sock, view = self.sock, self.view
+        sock.sendall(frame)
+        got = 0
+        while got < frames.HEADER_SIZE:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
+            got += n
+        head = frames.unpack_header(view[: frames.HEADER_SIZE])
+        if head.req_id != req_id or head.length > frames.MAX_RPC_PAYLOAD:
+            raise KvPoolError(ErrorCode.BAD_FRAME, "response does not match the request")
+        end = frames.HEADER_SIZE + head.length
+        if got > end:  # answers come one per request: nothing may follow this one
+            raise KvPoolError(ErrorCode.BAD_FRAME, "unexpected bytes after the response")
+        if end <= len(self.buf):
+            frames.recv_exact_into(sock, view[got:end])
+            payload = bytes(view[frames.HEADER_SIZE : end])
+        else:
+            rest = bytearray(end - got)
+            frames.recv_exact_into(sock, memoryview(rest))
+            payload = bytes(view[frames.HEADER_SIZE : got]) + rest
+        return head.status, payload
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class MasterClient:
@@ -103,7 +158,7 @@ class MasterClient:
         self._tls_ca = tls_ca
         self._breaker = _Breaker(breaker_backoff_s, breaker_max_backoff_s)
         self._lock = threading.Lock()
-        self._idle: list[socket.socket] = []
+        self._idle: list[_Conn] = []
         self._rpc_endpoint = ""
         self._grpc_endpoint = ""
         self._max_view = 0
@@ -136,8 +191,8 @@ class MasterClient:
         with self._lock:
             idle, self._idle = self._idle, []
             self._rpc_endpoint = ""
-        for sock in idle:
-            sock.close()
+        for conn in idle:
+            conn.close()
 
     @property
     def grpc_endpoint(self) -> str:
@@ -147,7 +202,7 @@ class MasterClient:
 
     # --- connections ---------------------------------------------------------------------------
 
-    def _checkout(self, deadline: Deadline) -> socket.socket:
+    def _checkout(self, deadline: Deadline) -> _Conn:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -156,29 +211,26 @@ class MasterClient:
             endpoint = self._discover(deadline)
         sock = socket.create_connection(split_endpoint(endpoint), timeout=_timeout(deadline, 2.0))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Blocking with kernel timeouts (set per call): settimeout() would poll() before every recv.
+        # Blocking with kernel timeouts (armed per call): settimeout() would poll() before every recv.
         sock.settimeout(None)
+        conn = _Conn(sock)
         if self._token:
-            self._roundtrip(sock, frames.Op.HELLO, self._token, deadline)
-        return sock
+            self._roundtrip(conn, frames.Op.HELLO, self._token, deadline)
+        return conn
 
-    def _checkin(self, sock: socket.socket) -> None:
+    def _checkin(self, conn: _Conn) -> None:
         with self._lock:
             if len(self._idle) < 16:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        conn.close()
 
-    def _roundtrip(self, sock: socket.socket, op: int, body: bytes, deadline: Deadline) -> bytearray:
-        set_io_timeout(sock, _timeout(deadline, 30.0))
+    def _roundtrip(self, conn: _Conn, op: int, body: bytes, deadline: Deadline) -> bytes:
+        conn.arm(_timeout(deadline, 30.0))
         req_id = next(self._req_ids)
-        sock.sendall(frames.pack_header(op, req_id, len(body)) + body)
-        head = frames.recv_header(sock)
-        if head.req_id != req_id or head.length > frames.MAX_RPC_PAYLOAD:
-            raise KvPoolError(ErrorCode.BAD_FRAME, "response does not match the request")
-        payload = frames.recv_exact(sock, head.length)
-        if head.status != 0:
-            raise KvPoolError(as_code(head.status), f"master refused op {op}")
+        status, payload = conn.roundtrip(frames.pack_header(op, req_id, len(body)) + body, req_id)
+        if status != 0:
+            raise KvPoolError(as_code(status), f"master refused op {op}")
         return payload
 
     # --- calls ---------------------------------------------------------------------------------
@@ -193,16 +245,16 @@ class MasterClient:
         body = request.SerializeToString()
         started = time.monotonic()
         for attempt in range(2):
-            sock: socket.socket | None = None
+            conn: _Conn | None = None
             try:
-                sock = self._checkout(deadline)
-                payload = self._roundtrip(sock, op, body, deadline)
-                response = resp_type.FromString(bytes(payload))  # type: ignore[attr-defined]
-                self._checkin(sock)
-                sock = None
+                conn = self._checkout(deadline)
+                payload = self._roundtrip(conn, op, body, deadline)
+                response = resp_type.FromString(payload)  # type: ignore[attr-defined]
+                self._checkin(conn)
+                conn = None
             except (OSError, KvPoolError) as exc:
-                if sock is not None:
-                    sock.close()
+                if conn is not None:
+                    conn.close()
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
                 if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
                     raise
@@ -240,6 +292,8 @@ class MasterClient:
 
     def _accept_view(self, view: int) -> bool:
         """Refuse answers from a leader older than one we already heard from (a deposed leader)."""
+        if view == self._max_view:  # the leader we know: no lock needed to say yes
+            return True
         with self._lock:
             if view < self._max_view:
                 return False

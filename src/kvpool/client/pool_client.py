@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.client.config import ClientConfig
+from kvpool.client.lease_cache import LeaseCache
 from kvpool.client.master_client import MasterClient
 from kvpool.common import envs
 from kvpool.common.checksum import LazyChecksum
@@ -89,6 +90,7 @@ class _Counters:
         "get_errors",
         "checksum_mismatches",
         "lease_expired",
+        "lease_cache_hits",
         "lookups",
         "lookup_hits",
         "degraded_calls",
@@ -136,6 +138,7 @@ class PoolClient:
         )
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()
+        self._leases = LeaseCache(cfg.lease_cache_entries, clock)
         self._closed = False
 
     @classmethod
@@ -308,13 +311,13 @@ class PoolClient:
         return self.batch_get([key], timeout)[0]
 
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
+        if not keys:
+            return []
         deadline = self._deadline(timeout)
-        results = self._get_replicas(keys, deadline)
-        if isinstance(results, ErrorCode):
-            return [None] * len(keys)
+        results, cached = self._get_replicas(keys, deadline)
         buffers = [bytearray(r.size) if r.code == 0 else bytearray() for r in results]
-        codes = self._read_all(keys, results, [memoryview(b) for b in buffers], deadline)
-        return [bytes(b) if c >= 0 else None for b, c in zip(buffers, codes, strict=True)]
+        codes = self._read_resolved(keys, results, cached, [memoryview(b) for b in buffers], deadline)
+        return [bytes(b[:c]) if c >= 0 else None for b, c in zip(buffers, codes, strict=True)]
 
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
         return self.batch_get_into([key], [buffer], timeout)[0]
@@ -327,10 +330,8 @@ class PoolClient:
             return []
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
-        results = self._get_replicas(keys, deadline)
-        if isinstance(results, ErrorCode):  # the master call failed: its code (UNAVAILABLE, AUTH_FAILED, ...)
-            return [int(results)] * len(keys)
-        return self._read_all(keys, results, views, deadline)
+        results, cached = self._get_replicas(keys, deadline)
+        return self._read_resolved(keys, results, cached, views, deadline)
 
     def batch_get_into_ptrs(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
@@ -348,17 +349,52 @@ class PoolClient:
     ) -> list[int]:
         return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config, timeout)
 
-    def _get_replicas(self, keys: Sequence[str], deadline: Deadline) -> list[Any] | ErrorCode:
-        if not keys:
-            return []
+    def _get_replicas(
+        self, keys: Sequence[str], deadline: Deadline, use_cache: bool = True
+    ) -> tuple[list[Any], list[int]]:
+        """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...)
+        and the positions answered from the lease cache, which asks the master only for the others."""
+        results: list[Any] = [None] * len(keys)
+        cached: list[int] = []
+        if use_cache and self._leases.enabled:
+            for i, key in enumerate(keys):
+                results[i] = self._leases.get(key)
+                if results[i] is not None:
+                    cached.append(i)
+        if len(cached) == len(keys):
+            self._counters.add(lease_cache_hits=len(cached))
+            return results, cached
+        missing = [i for i, r in enumerate(results) if r is None]
+        asked = [keys[i] for i in missing] if cached else list(keys)
         try:
-            resp = self._master.call(
-                frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=list(keys)), deadline
-            )
+            resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=asked), deadline)
+            answers = list(resp.results)
         except KvPoolError as exc:
-            self._counters.add(degraded_calls=1, get_errors=len(keys))
-            return exc.code
-        return list(resp.results)
+            self._counters.add(degraded_calls=1)
+            answers = [pb.GetReplicasResult(code=int(exc.code))] * len(asked)
+        for i, key, result in zip(missing, asked, answers, strict=True):
+            results[i] = result
+            if result.code == ErrorCode.OK:
+                self._leases.put(key, result)
+        self._counters.add(lease_cache_hits=len(cached))
+        return results, cached
+
+    def _read_resolved(
+        self, keys: Sequence[str], results: list[Any], cached: list[int], views: list[memoryview], deadline: Deadline
+    ) -> list[int]:
+        """Read every resolved key; a read from a cached lease that failed is resolved again at the master."""
+        codes = self._read_all(keys, results, views, deadline)
+        retry = [i for i in cached if codes[i] < 0]
+        if retry and not deadline.expired():
+            retry_keys = [keys[i] for i in retry]
+            self._leases.drop(retry_keys)
+            fresh, _ = self._get_replicas(retry_keys, deadline, use_cache=False)
+            for i, code in zip(
+                retry, self._read_all(retry_keys, fresh, [views[i] for i in retry], deadline), strict=True
+            ):
+                codes[i] = code
+        self._count_reads(codes)
+        return codes
 
     def _read_all(
         self, keys: Sequence[str], results: list[Any], views: list[memoryview], deadline: Deadline
@@ -390,7 +426,6 @@ class PoolClient:
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
                     del pending[i]
-        self._count_reads(codes)
         return codes
 
     def _verify(self, code: ErrorCode, result: Any) -> ErrorCode:
@@ -417,6 +452,7 @@ class PoolClient:
         return self.batch_remove([key], force, timeout)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False, timeout: float | None = None) -> list[int]:
+        self._leases.drop(keys)
         try:
             resp = self._master.call(
                 frames.Op.BATCH_REMOVE,
@@ -429,6 +465,7 @@ class PoolClient:
 
     def remove_all(self, force: bool = False, prefix: str = "", timeout: float | None = None) -> int:
         """Remove every object (whose key starts with ``prefix``); returns how many, or a negative code."""
+        self._leases.clear()
         try:
             resp = self._master.call(
                 frames.Op.REMOVE_ALL, pb.RemoveAllRequest(force=force, prefix=prefix), self._deadline(timeout)
