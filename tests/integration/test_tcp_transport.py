@@ -26,7 +26,7 @@ from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 from kvpool.transfer.base import Replica, TransferRequest
-from kvpool.transfer.tcp import TcpTransport, parse_endpoint
+from kvpool.transfer.tcp import TcpTransport, parse_endpoint, spin_recv_into
 
 pytestmark = pytest.mark.integration
 
@@ -621,3 +621,29 @@ def test_lazy_checksum_is_computed_once_across_threads() -> None:
     for th in threads:
         th.join()
     assert seen == [checksum(data)] * 8
+
+
+def test_spin_recv_into_polls_then_gives_up_and_sees_eof() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        view = memoryview(bytearray(16))
+        started = time.perf_counter()
+        assert spin_recv_into(a, view, 0.002) == -1  # nothing came within the spin
+        assert time.perf_counter() - started >= 0.002
+        b.sendall(b"hello")
+        assert spin_recv_into(a, view, 1.0) == 5
+        assert bytes(view[:5]) == b"hello"
+        b.close()
+        assert spin_recv_into(a, view, 1.0) == 0  # EOF
+
+
+@pytest.mark.parametrize("spin_us", [0, 200])
+def test_single_requests_with_and_without_polling(tmp_path: Path, threads_settle: None, spin_us: int) -> None:
+    s = start_store(tmp_path, spin_us=spin_us)
+    t = TcpTransport(connections_per_endpoint=2, spin_us=spin_us)
+    try:
+        for size in (1, 65_537, 300_000):  # the last is above the polling bound: it blocks
+            put_then_get(t, s, [size])
+    finally:
+        t.close()
+        s.stop()

@@ -18,6 +18,12 @@ class ClientConfig:
         2 << 20, "Objects larger than this are split over several connections.", parse=parse_size
     )
     replica_num: int = option(0, "Replicas per object (0 = the master's default).")
+    spin_us: int = option(
+        50,
+        "Before blocking on the answer of a master call or of a single small read/write, poll for it this "
+        "many microseconds: a thread that never sleeps skips the wake-up (tens of us on a VM), at the cost "
+        "of that much CPU per call. 0 always blocks.",
+    )
     lease_cache_entries: int = option(
         16384,
         "Objects whose read lease this client remembers: reading one again while its lease holds skips "
@@ -41,3 +47,5 @@ class ClientConfig:
             raise ValueError("timeout_s must be > 0")
         if self.connections_per_store < 1:
             raise ValueError("connections_per_store must be >= 1")
+        if self.spin_us < 0 or self.lease_cache_entries < 0:
+            raise ValueError("spin_us and lease_cache_entries must be >= 0")

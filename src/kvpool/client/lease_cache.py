@@ -9,7 +9,8 @@ trip. An entry is used only until ``margin_ms`` before its lease (or grant) ends
 completes under the lease; the read still checks the checksum and the lease expiry as any other.
 
 What this gives up, and why it is safe: reads served here do not refresh the master's last-access time
-(the lease grant did, at most one lease ago), and an object another client *force*-removes may still be
+(the lease grant did, at most one lease ago) - which is also why objects held only on an SSD tier are
+never cached: the master counts their reads to promote them - and an object another client *force*-removes may still be
 read from a live entry until the lease ends - the same race a read that fetched its descriptors just
 before the removal has, stretched to one lease. A cached read that fails in any way (the range was
 reused: checksum mismatch; the store restarted: segment not found) drops the entry and asks the master.
@@ -55,8 +56,9 @@ class LeaseCache:
             return entry[1]
 
     def put(self, key: str, result: Any) -> None:
-        """Remember a readable result (code OK, with replicas) of a leased lookup."""
-        if not self._max or not result.replicas:
+        """Remember a readable result (code OK, with replicas) of a leased lookup. An object with no DRAM
+        replica is not kept: the master counts its reads to decide when to promote it from SSD."""
+        if not self._max or not any(d.tier == 0 for d in result.replicas):
             return
         until = min(result.lease_expiry_ms, min(d.expiry_ms for d in result.replicas)) - self._margin_ms
         if until <= self._clock.wall_ms():

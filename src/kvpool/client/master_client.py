@@ -25,7 +25,7 @@ from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto import master_pb2_grpc as pb_grpc
-from kvpool.transfer.tcp import set_io_timeout
+from kvpool.transfer.tcp import Spinner, set_io_timeout
 
 log = get_logger(__name__)
 
@@ -93,10 +93,11 @@ class _Conn:
     kernel timeout currently armed (re-armed only when a call's deadline is much nearer) and a
     read-ahead buffer, so that a header and a small answer come in one receive."""
 
-    __slots__ = ("sock", "armed", "buf", "view")
+    __slots__ = ("sock", "armed", "buf", "view", "spinner")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin_s: float) -> None:
         self.sock = sock
+        self.spinner = Spinner(spin_s) if spin_s else None
         self.armed = -1.0
         self.buf = bytearray(_READ_AHEAD)
         self.view = memoryview(self.buf)
@@ -114,7 +115,7 @@ class _Conn:
         sock.sendall(frame)
         got = 0
         while got < frames.HEADER_SIZE:
-            n = sock.recv_into(view[got:])
+            n = sock.recv_into(view[got:]) if self.spinner is None else self.spinner.recv_into(sock, view[got:])
             if n == 0:
                 raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
             got += n
@@ -150,12 +151,14 @@ class MasterClient:
         breaker_backoff_s: float = 0.5,
         breaker_max_backoff_s: float = 5.0,
         resolver: Callable[[float], str] | None = None,
+        spin_us: int = 0,
     ) -> None:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
         self._resolve = resolver or _make_resolver(master, cluster)
         self._token = load_token(token_file)
         self._tls_ca = tls_ca
+        self._spin_s = spin_us / 1e6
         self._breaker = _Breaker(breaker_backoff_s, breaker_max_backoff_s)
         self._lock = threading.Lock()
         self._idle: list[_Conn] = []
@@ -213,7 +216,7 @@ class MasterClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Blocking with kernel timeouts (armed per call): settimeout() would poll() before every recv.
         sock.settimeout(None)
-        conn = _Conn(sock)
+        conn = _Conn(sock, self._spin_s)
         if self._token:
             self._roundtrip(conn, frames.Op.HELLO, self._token, deadline)
         return conn

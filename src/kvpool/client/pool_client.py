@@ -135,6 +135,7 @@ class PoolClient:
             tls_ca=cfg.tls_ca,
             breaker_backoff_s=cfg.breaker_backoff_s,
             breaker_max_backoff_s=cfg.breaker_max_backoff_s,
+            spin_us=cfg.spin_us,
         )
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()

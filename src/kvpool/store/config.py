@@ -47,6 +47,11 @@ class StoreConfig:
         "over it gets TOO_MANY_BYTES_IN_FLIGHT.",
         parse=parse_size,
     )
+    spin_us: int = option(
+        50,
+        "After answering a request, poll the connection this many microseconds for the next one before "
+        "sleeping: back-to-back small requests then skip the thread wake-up. 0 always sleeps.",
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1 << 20:
@@ -55,3 +60,5 @@ class StoreConfig:
             raise ValueError("--numa-node must be >= 0 (or -1 for no binding)")
         if self.max_connections_per_client < 0 or self.max_inflight_bytes_per_client < 0:
             raise ValueError("per-client limits must be >= 0 (0 = no limit)")
+        if self.spin_us < 0:
+            raise ValueError("--spin-us must be >= 0")

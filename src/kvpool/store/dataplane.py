@@ -51,7 +51,7 @@ from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import serve_tier_read
-from kvpool.transfer.tcp import FrameReader, send_all, set_io_timeout, tune_socket
+from kvpool.transfer.tcp import FrameReader, Spinner, send_all, set_io_timeout, tune_socket
 
 logger = get_logger(__name__)
 
@@ -136,6 +136,7 @@ class DataPlaneServer:
         socket_buffer: int = 4 << 20,
         auth: TokenChecker | None = None,
         limits: ClientLimits | None = None,
+        spin_us: int = 0,
     ) -> None:
         self.host = host
         self.port = port
@@ -145,6 +146,7 @@ class DataPlaneServer:
         self._store_info = store_info
         self._stall_timeout_s = stall_timeout_s
         self._socket_buffer = socket_buffer
+        self._spin_s = spin_us / 1e6
         # Copy-on-write: the hot path reads these dicts without a lock; changes replace them whole.
         self._segments: dict[int, ShmSegment] = dict(segments)
         self._secrets: dict[int, bytes] = dict(secrets)
@@ -293,7 +295,10 @@ class DataPlaneServer:
             sock.settimeout(None)
             tune_socket(sock, self._socket_buffer)
             set_io_timeout(sock, self._stall_timeout_s)
-            self._loop(conn, FrameReader(sock))
+            reader = FrameReader(sock)
+            if self._spin_s:  # the next request of a client sending one at a time comes soon
+                reader.spinner = Spinner(self._spin_s)
+            self._loop(conn, reader)
         except _Close as exc:
             conn.stats.error(exc.code)
             logger.warning("data plane: closing %s: %s: %s", conn.peer, exc.code.name, exc)

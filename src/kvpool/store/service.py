@@ -162,6 +162,7 @@ class StoreServer:
             store_info=self.info,
             auth=TokenChecker.from_file(cfg.token_file),
             limits=ClientLimits(cfg.max_connections_per_client, cfg.max_inflight_bytes_per_client),
+            spin_us=cfg.spin_us,
         )
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:

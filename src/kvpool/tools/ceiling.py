@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import socket
 import struct
@@ -27,6 +28,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 SIZES = (64 * 1024, 1 << 20, 4 << 20)
+SPREAD_BYTES = 32 << 20
+"""Destination span of the spread ceiling: the size of the peer benchmark's registered buffers."""
 SOCKET_BUFFER = 4 << 20
 _REQ = struct.Struct("<Q")
 
@@ -90,21 +93,36 @@ class RawTcpPeer:
         self._sock = socket.create_connection(("127.0.0.1", port))
         _tune(self._sock)
         self._dest = memoryview(bytearray(max_size))
+        self._spread: mmap.mmap | None = None
 
-    def measure(self, size: int, seconds: float) -> TcpResult:
-        """Synchronous ``size``-byte responses for about ``seconds``: GB/s and p50 latency."""
+    def measure(self, size: int, seconds: float, spread: bool = False) -> TcpResult:
+        """Synchronous ``size``-byte responses for about ``seconds``: GB/s and p50 latency.
+
+        By default every response lands in the same buffer, which stays hot in the TLB and the caches.
+        ``spread`` lands them in successive slices of a 32 MiB shared anonymous mapping (4 KiB pages, as
+        the peer benchmark's buffers are), the destination a system's batched get writes into.
+        """
         if not 0 < size <= self.max_size:
             raise ValueError(f"size must be in (0, {self.max_size}]")
-        sock, dest, request = self._sock, self._dest[:size], _REQ.pack(size)
-        for _ in range(5):  # warm up: TCP window growth, page faults of the destination
+        sock, request = self._sock, _REQ.pack(size)
+        dests = [self._dest[:size]]
+        if spread:
+            if self._spread is None:
+                self._spread = mmap.mmap(-1, SPREAD_BYTES)
+                self._spread.write(b"\1" * SPREAD_BYTES)  # fault every page in
+            view = memoryview(self._spread)
+            dests = [view[off : off + size] for off in range(0, SPREAD_BYTES - size + 1, size)]
+        for i in range(max(5, len(dests))):  # warm up: TCP window growth, page faults of the destination
             sock.sendall(request)
-            _recv_exact(sock, dest)
+            _recv_exact(sock, dests[i % len(dests)])
         latencies: list[float] = []
         start = now = time.perf_counter()
         end = start + seconds
+        i = 0
         while now < end:
             sock.sendall(request)
-            _recv_exact(sock, dest)
+            _recv_exact(sock, dests[i % len(dests)])
+            i += 1
             after = time.perf_counter()
             latencies.append(after - now)
             now = after
@@ -141,6 +159,12 @@ def measure_tcp_ceiling(size: int, seconds: float = 2.0) -> float:
     return measure_tcp(size, seconds).gbps
 
 
+def measure_tcp_spread_ceiling(size: int, seconds: float = 2.0) -> float:
+    """The same, with responses landing across a 32 MiB 4 KiB-page buffer (``RawTcpPeer.measure``)."""
+    with RawTcpPeer(size) as peer:
+        return peer.measure(size, seconds, spread=True).gbps
+
+
 def measure_memcpy(size: int = 64 << 20, repeats: int = 20) -> float:
     """numpy memcpy GB/s of ``size`` bytes (best of ``repeats``, pages already faulted)."""
     src = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
@@ -165,12 +189,24 @@ def main(argv: list[str] | None = None) -> int:
         _serve(args.serve)
         return 0
     tcp = [measure_tcp(size, args.seconds) for size in SIZES]
+    with RawTcpPeer() as peer:
+        spread = [peer.measure(size, args.seconds, spread=True) for size in SIZES[1:]]
     memcpy = measure_memcpy()
     if args.json:
-        print(json.dumps({"tcp": [asdict(r) for r in tcp], "memcpy_gbps": round(memcpy, 3)}))
+        print(
+            json.dumps(
+                {
+                    "tcp": [asdict(r) for r in tcp],
+                    "tcp_spread": [asdict(r) for r in spread],
+                    "memcpy_gbps": round(memcpy, 3),
+                }
+            )
+        )
     else:
         for r in tcp:
             print(f"tcp {r.size:>9} B: {r.gbps:6.2f} GB/s  p50 {r.p50_us:8.1f} us  ({r.requests} requests)")
+        for r in spread:
+            print(f"tcp {r.size:>9} B into a 32 MiB 4 KiB-page buffer: {r.gbps:6.2f} GB/s  p50 {r.p50_us:8.1f} us")
         print(f"memcpy 64 MiB: {memcpy:6.2f} GB/s")
     return 0
 

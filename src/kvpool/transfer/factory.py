@@ -33,6 +33,7 @@ def make_transports(
     token: bytes = b"",
     connections_per_store: int = 4,
     stripe_bytes: int = 1 << 20,
+    spin_us: int = 0,
 ) -> list[Transport]:
     """The transports for a client on ``node``, best first; the last one (TCP) reaches every store.
 
@@ -52,7 +53,9 @@ def make_transports(
         if rdma is not None:
             transports.append(rdma)
     transports.append(
-        TcpTransport(connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes, token=token)
+        TcpTransport(
+            connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes, token=token, spin_us=spin_us
+        )
     )
     return transports
 

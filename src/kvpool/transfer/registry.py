@@ -37,6 +37,7 @@ class TransportSet:
             token=load_token(getattr(config, "token_file", "")),
             connections_per_store=config.connections_per_store,
             stripe_bytes=config.stripe_bytes,
+            spin_us=getattr(config, "spin_us", 0),
         )
         return cls(transports, node)
 

@@ -63,6 +63,9 @@ _REQUEST = struct.Struct(HEADER.format + DESC.format.lstrip("<@=!>"))
 _TIMEVAL = struct.Struct("@ll")
 # Replies after which the store closes the connection.
 _CLOSING_CODES = frozenset((ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.BAD_FRAME, ErrorCode.UNKNOWN_OP))
+# Single requests up to this size poll for their answer (TcpTransport.spin_s); a larger one takes long
+# enough that a wake-up is a small part of it, and polling would take the CPU from the copy.
+_SPIN_MAX_BYTES = 256 * 1024
 # Per-part cost in "bytes" when dealing parts to lanes: a request costs about as much as moving this much.
 _PART_OVERHEAD = 32 * 1024
 
@@ -101,6 +104,45 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def spin_recv_into(sock: socket.socket, view: memoryview, spin_s: float) -> int:
+    """Poll a non-blocking receive for up to ``spin_s``: the bytes received, 0 on EOF, -1 if none came.
+
+    A thread that waits for a small answer by polling instead of sleeping is not woken by the kernel
+    when it arrives; on a VM that wake-up is tens of microseconds, a large part of a small call.
+    """
+    until = time.perf_counter() + spin_s
+    while True:
+        try:
+            return sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if time.perf_counter() >= until:
+                return -1
+
+
+class Spinner:
+    """Receives like a blocking ``recv_into``, but polls first (:func:`spin_recv_into`) while answers
+    have been coming within the polling window: a peer that answers slowly, or a connection that sits
+    idle, is not polled for, so no CPU is burnt waiting on it (a blocking wait shorter than the window
+    turns polling back on)."""
+
+    __slots__ = ("window", "hot")
+
+    def __init__(self, spin_s: float) -> None:
+        self.window = spin_s
+        self.hot = spin_s > 0
+
+    def recv_into(self, sock: socket.socket, view: memoryview) -> int:
+        if self.hot:
+            got = spin_recv_into(sock, view, self.window)
+            if got >= 0:
+                return got
+            self.hot = False
+        started = time.perf_counter()
+        got = sock.recv_into(view, len(view))
+        self.hot = self.window > 0 and time.perf_counter() - started < self.window
+        return got
+
+
 class FrameReader:
     """Buffered reads of frames from a blocking socket.
 
@@ -108,15 +150,17 @@ class FrameReader:
     or several pipelined small requests, cost one syscall. Large payloads are received straight into the
     destination (only what was already read ahead, at most ``READ_AHEAD`` bytes, is copied).
     ``before_recv``, if set, runs before every receive syscall (the client re-arms its deadline there).
+    ``spinner``, if set, polls for the next bytes before blocking (:class:`Spinner`).
     """
 
-    __slots__ = ("sock", "before_recv", "_buf", "_view", "_start", "_end")
+    __slots__ = ("sock", "before_recv", "spinner", "_buf", "_view", "_start", "_end")
 
     def __init__(
         self, sock: socket.socket, size: int = READ_AHEAD, before_recv: Callable[[], None] | None = None
     ) -> None:
         self.sock = sock
         self.before_recv = before_recv
+        self.spinner: Spinner | None = None
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -139,7 +183,11 @@ class FrameReader:
         if self._end > self._start:
             return True
         self._start = self._end = 0
-        got = self.sock.recv_into(self._view, len(self._buf))
+        spinner = self.spinner
+        if spinner is not None:
+            got = spinner.recv_into(self.sock, self._view)
+        else:
+            got = self.sock.recv_into(self._view, len(self._buf))
         self._end = got
         return got > 0
 
@@ -148,10 +196,14 @@ class FrameReader:
             tail = self._end - self._start
             self._view[:tail] = self._view[self._start : self._end]
             self._start, self._end = 0, tail
+        spinner = self.spinner
         while self._end - self._start < n:
             if self.before_recv is not None:
                 self.before_recv()
-            got = self.sock.recv_into(self._view[self._end :], len(self._buf) - self._end)
+            if spinner is not None:
+                got = spinner.recv_into(self.sock, self._view[self._end :])
+            else:
+                got = self.sock.recv_into(self._view[self._end :], len(self._buf) - self._end)
             if got == 0:
                 raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
             self._end += got
@@ -414,6 +466,8 @@ class _Lane:
         self._window = 1  # requests in flight, and their payload bytes: set per connection
         self._max_inflight = 1
         self._req_id = 0
+        self._spinner = Spinner(transport.spin_s) if transport.spin_s else None
+        self._polls = False  # whether the running job polls for answers (single small requests only)
         self._closed = False
         self.load = 0  # bytes assigned and not yet moved (approximate; for dealing parts)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvpool-tcp-{endpoint.name}-{index}")
@@ -485,7 +539,11 @@ class _Lane:
             if self._current is not None or self._jobs or self._closed:
                 return None
             self._current = job
-        self._execute(job)
+        self._polls = len(part.view) <= _SPIN_MAX_BYTES
+        try:
+            self._execute(job)
+        finally:
+            self._polls = False
         return job.codes[0]
 
     def _run(self) -> None:
@@ -646,6 +704,7 @@ class _Lane:
         sock = self._sock_or_raise()
         reader = self._reader
         assert reader is not None
+        reader.spinner = self._spinner if self._polls else None
         parts = job.parts
         window = self._window
         max_bytes = self._max_inflight
@@ -819,6 +878,7 @@ class TcpTransport(Transport):
         reconnect_cooldown_s: float = 1.0,
         inflight_bytes: int | None = None,
         token: bytes = b"",
+        spin_us: int = 0,
     ) -> None:
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
             raise KvPoolError(
@@ -835,6 +895,8 @@ class TcpTransport(Transport):
         self.reconnect_cooldown_s = reconnect_cooldown_s
         self.token = token
         """The cluster token, sent in a HELLO first on every new connection when set."""
+        self.spin_s = spin_us / 1e6
+        """A single small request polls this long for its answer before it blocks."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False

@@ -11,7 +11,8 @@ from kvpool.common.clock import ManualClock
 def _result(clock: ManualClock, lease_s: float, grant_s: float | None = None) -> SimpleNamespace:
     now = clock.wall_ms()
     grant_ms = now + int(1000 * (lease_s if grant_s is None else grant_s))
-    return SimpleNamespace(lease_expiry_ms=now + int(lease_s * 1000), replicas=[SimpleNamespace(expiry_ms=grant_ms)])
+    replica = SimpleNamespace(expiry_ms=grant_ms, tier=0)
+    return SimpleNamespace(lease_expiry_ms=now + int(lease_s * 1000), replicas=[replica])
 
 
 def test_an_entry_is_served_until_the_margin_before_its_lease_ends() -> None:
@@ -42,6 +43,16 @@ def test_results_without_replicas_or_time_left_are_not_kept() -> None:
     cache.put("short", _result(clock, lease_s=0.5))
     assert cache.get("none") is None
     assert cache.get("short") is None
+
+
+def test_objects_only_on_an_ssd_tier_are_not_kept() -> None:
+    """The master promotes an SSD object after repeated reads: it must see them."""
+    clock = ManualClock()
+    cache = LeaseCache(10, clock)
+    result = _result(clock, 10)
+    result.replicas[0].tier = 1
+    cache.put("ssd", result)
+    assert cache.get("ssd") is None
 
 
 def test_bounded_least_recently_used_first_and_drop() -> None:
