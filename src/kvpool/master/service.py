@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,6 +33,7 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.drain import DrainController, DrainManager
 from kvpool.master.drain_service import DrainRpc
 from kvpool.master.limits import max_request_payload
+from kvpool.master.request_metrics import RequestMetrics
 from kvpool.master.state import MasterState
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -113,15 +114,8 @@ class MasterHandlers:
         self.role = role
         self.endpoints = endpoints
         self.registry = CollectorRegistry()
-        self._requests = Counter("kvpool_master_requests", "Master requests", ["op"], registry=self.registry)
-        self._latency = Histogram(
-            "kvpool_master_request_seconds",
-            "Master request latency",
-            ["op"],
-            registry=self.registry,
-            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0),
-        )
-        self._children: dict[str, tuple[Any, Any]] = {}
+        self.requests = RequestMetrics()
+        self.registry.register(self.requests)
         self.collector = _StateCollector(state, role)
         self.registry.register(self.collector)
         self._methods: dict[str, Callable[[Any], Any]] = {
@@ -160,15 +154,7 @@ class MasterHandlers:
             log.exception("%s failed", method)
             return response_type(status=self.status(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
-            counter, histogram = self._metric_children(method)
-            counter.inc()
-            histogram.observe(time.perf_counter() - started)
-
-    def _metric_children(self, method: str) -> tuple[Any, Any]:
-        children = self._children.get(method)
-        if children is None:
-            children = self._children[method] = (self._requests.labels(method), self._latency.labels(method))
-        return children
+            self.requests.observe(method, time.perf_counter() - started)
 
     def _check_batch(self, keys: Any) -> None:
         if len(keys) > self.config.max_batch:
@@ -401,9 +387,11 @@ class _FramedRpcProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
-        buf += data
         consumed = 0
         try:
+            if not buf and self._authed and self._one_whole_frame(data):
+                return
+            buf += data
             while len(buf) - consumed >= frames.HEADER_SIZE:
                 head = frames.unpack_header(memoryview(buf)[consumed : consumed + frames.HEADER_SIZE])
                 if not self._authed and not self._may_precede_auth(head):
@@ -427,6 +415,18 @@ class _FramedRpcProtocol(asyncio.Protocol):
             self._close()
             return
         del buf[:consumed]
+
+    def _one_whole_frame(self, data: bytes) -> bool:
+        """The common case - one complete request in one read, nothing buffered - answered without copying
+        it into the buffer; False leaves ``data`` to the general path."""
+        if len(data) < frames.HEADER_SIZE:
+            return False
+        head = frames.unpack_header(data[: frames.HEADER_SIZE])
+        if head.length > self._max_payload or len(data) != frames.HEADER_SIZE + head.length:
+            return False
+        if not self._answer(head, data[frames.HEADER_SIZE :]):
+            self._close()
+        return True
 
     def _may_precede_auth(self, head: frames.Header) -> bool:
         """Before a valid HELLO only HELLO and PING, with at most a token's worth of payload, are read;
