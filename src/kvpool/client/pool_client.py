@@ -169,9 +169,9 @@ class PoolClient:
         except KvPoolError as exc:
             self._counters.add(degraded_calls=1)
             return [int(exc.code)] * len(keys)
-        hits = sum(resp.exists)
-        self._counters.add(lookups=len(keys), lookup_hits=hits)
-        return [1 if e else 0 for e in resp.exists]
+        found = [1 if e else 0 for e in resp.exists]
+        self._counters.add(lookups=len(keys), lookup_hits=sum(found))
+        return found
 
     def is_exist(self, key: str, timeout: float | None = None) -> int:
         return self.batch_exists([key], timeout)[0]

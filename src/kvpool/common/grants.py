@@ -12,8 +12,8 @@ import hashlib
 import hmac
 import os
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 MAC_BYTES = 16
 SECRET_BYTES = 32
@@ -25,9 +25,9 @@ class GrantOp(IntEnum):
     WRITE = 2
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A signed permission for one object range on one segment."""
+class Grant(NamedTuple):
+    """A signed permission for one object range on one segment (a tuple: the store builds one per
+    request, and a frozen dataclass costs ~1.5 us more)."""
 
     op: GrantOp
     segment_id: int

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -98,8 +97,7 @@ def unpack_header(raw: bytes | bytearray | memoryview) -> Header:
     return Header(op, status, req_id, length)
 
 
-@dataclass(frozen=True, slots=True)
-class TransferDesc:
+class TransferDesc(NamedTuple):
     """What one READ/WRITE request moves: a part of an object, under the object's grant."""
 
     grant: Grant

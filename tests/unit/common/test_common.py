@@ -87,7 +87,7 @@ def test_grants_verify_and_bind_every_field() -> None:
         {"expiry_ms": 124},
         {"op": grants.GrantOp.READ},
     ):
-        assert not grants.verify(secret, dataclasses.replace(grant, **change)), change
+        assert not grants.verify(secret, grant._replace(**change)), change
 
 
 # Test vectors from SGLang's pure-Python chain (reference/sglang-hicache.md §1.6).
