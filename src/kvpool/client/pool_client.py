@@ -404,15 +404,15 @@ class PoolClient:
         codes = [0] * len(keys)
         pending: dict[int, list[Replica]] = {}
         for i, r in enumerate(results):
-            code = as_code(r.code)
-            if code != ErrorCode.OK:
-                codes[i] = int(code)
+            if r.code:
+                codes[i] = int(as_code(r.code))
             elif len(views[i]) < r.size:
                 codes[i] = int(ErrorCode.BUFFER_TOO_SMALL)
             elif not r.replicas:
                 codes[i] = int(ErrorCode.OBJECT_NOT_FOUND)
             else:
-                pending[i] = self._transports.order([_replica(d) for d in r.replicas])
+                replicas = [_replica(d) for d in r.replicas]
+                pending[i] = self._transports.order(replicas) if len(replicas) > 1 else replicas
         while pending:
             batch = {i: replicas.pop(0) for i, replicas in pending.items()}
             # The transport verifies each object's checksum as soon as its bytes land.

@@ -712,6 +712,12 @@ class _Lane:
         inflight_bytes = 0
         next_send = job.done
         try:
+            if len(parts) - job.done == 1:  # one request: no window to keep (a single get or put)
+                part = parts[job.done]
+                self._req_id += 1
+                send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None, self._rearm)
+                self._answered(job, reader, self._req_id, part)
+                return
             while job.done < len(parts):
                 if job.batch.cancelled:
                     raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
@@ -734,11 +740,7 @@ class _Lane:
                     next_send += 1
                 req_id, part = inflight.popleft()
                 inflight_bytes -= len(part.view)
-                code = self._receive(reader, req_id, part)
-                if part.check is not None and code == ErrorCode.OK:
-                    code = part.check.landed()
-                job.codes.append(code)
-                job.done += 1
+                self._answered(job, reader, req_id, part)
         except BlockingIOError:
             raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
         except KvPoolError as exc:
@@ -747,6 +749,14 @@ class _Lane:
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                 raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
             raise _Broken(ErrorCode.CONNECTION_FAILED, str(exc)) from None
+
+    def _answered(self, job: _Job, reader: FrameReader, req_id: int, part: _Part) -> None:
+        """Read the answer to ``part`` (verified, for a READ that asked) into the job's codes."""
+        code = self._receive(reader, req_id, part)
+        if part.check is not None and code == ErrorCode.OK:
+            code = part.check.landed()
+        job.codes.append(code)
+        job.done += 1
 
     def _receive(self, reader: FrameReader, req_id: int, part: _Part) -> ErrorCode:
         magic, _op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
