@@ -362,8 +362,9 @@ class PoolClient:
                 results[i] = self._leases.get(key)
                 if results[i] is not None:
                     cached.append(i)
-        if len(cached) == len(keys):
+        if cached:
             self._counters.add(lease_cache_hits=len(cached))
+        if len(cached) == len(keys):
             return results, cached
         missing = [i for i, r in enumerate(results) if r is None]
         asked = [keys[i] for i in missing] if cached else list(keys)
@@ -377,7 +378,6 @@ class PoolClient:
             results[i] = result
             if result.code == ErrorCode.OK:
                 self._leases.put(key, result)
-        self._counters.add(lease_cache_hits=len(cached))
         return results, cached
 
     def _read_resolved(

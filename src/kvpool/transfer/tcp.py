@@ -129,7 +129,7 @@ class Spinner:
 
     def __init__(self, spin_s: float) -> None:
         self.window = spin_s
-        self.hot = spin_s > 0
+        self.hot = True
 
     def recv_into(self, sock: socket.socket, view: memoryview) -> int:
         if self.hot:
@@ -139,7 +139,7 @@ class Spinner:
             self.hot = False
         started = time.perf_counter()
         got = sock.recv_into(view, len(view))
-        self.hot = self.window > 0 and time.perf_counter() - started < self.window
+        self.hot = time.perf_counter() - started < self.window
         return got
 
 
