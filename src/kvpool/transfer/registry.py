@@ -63,13 +63,12 @@ class TransportSet:
             transport = self._transports[next(iter(groups))]
             return _verified(transport, requests, transport.transfer(requests, deadline))
         # Submit every group first, then wait: transports run concurrently.
-        batches = [
-            (self._transports[t], positions, self._transports[t].submit([requests[p] for p in positions], deadline))
-            for t, positions in groups.items()
-        ]
-        codes = [ErrorCode.INTERNAL] * len(requests)
-        for transport, positions, batch in batches:
+        batches = []
+        for t, positions in groups.items():
             group = [requests[p] for p in positions]
+            batches.append((self._transports[t], positions, group, self._transports[t].submit(group, deadline)))
+        codes = [ErrorCode.INTERNAL] * len(requests)
+        for transport, positions, group, batch in batches:
             for position, code in zip(positions, _verified(transport, group, batch.wait(deadline)), strict=True):
                 codes[position] = code
         return codes

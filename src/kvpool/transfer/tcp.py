@@ -927,11 +927,11 @@ class TcpTransport(Transport):
 
     def _transfer_one(self, req: TransferRequest, deadline: Deadline) -> ErrorCode | None:
         """Move one request on the calling thread over an idle lane; None if it needs the batch path."""
+        if req.replica.length > self.stripe_bytes:
+            return None  # striped: the batch path deals its parts over the lanes (and splits it once)
         parts = self._split(0, req)
         if isinstance(parts, ErrorCode):
             return parts
-        if len(parts) != 1:
-            return None
         try:
             endpoint = self._endpoint(req.replica.tcp_endpoint)
         except KvPoolError as exc:
