@@ -244,6 +244,37 @@ def test_write_then_read_round_trips_exactly(store: Store, size: int) -> None:
     assert store.inventory.entries(seg) == [InventoryEntry(seg, b"obj", offset, size, 77)]
 
 
+def test_reads_come_from_the_segment_file_without_a_fallback(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """READs are sent with sendfile from the segment's file; a part that starts mid-page and ends mid-page
+    comes back exact, and the copy fallback is never taken for a tmpfs segment."""
+    assert store.segment.fd >= 0
+    start, n = 4096 * 3 + 17, (1 << 20) + 4093
+    with Raw(store.port) as c:
+        status, got = c.read(store.grant(GrantOp.READ, start, n))
+    assert status == ErrorCode.OK
+    assert got == store.expected[start : start + n].tobytes()
+    assert "sendfile refused" not in caplog.text
+
+
+def test_a_segment_file_that_refuses_sendfile_is_copied_instead(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file system without splice (sendfile says EINVAL, as from a directory) falls back to copying the
+    mapped bytes after the header already went out; the fallback is logged once per segment."""
+    real_fd = store.segment.fd
+    store.segment.fd = os.open(tmp_path, os.O_RDONLY)  # sendfile from a directory: EINVAL
+    try:
+        with Raw(store.port) as c:
+            for start, n in ((0, 1 << 20), (SEG_SIZE - (256 << 10), 256 << 10)):
+                status, got = c.read(store.grant(GrantOp.READ, start, n))
+                assert status == ErrorCode.OK
+                assert got == store.expected[start : start + n].tobytes()
+    finally:
+        os.close(store.segment.fd)
+        store.segment.fd = real_fd
+    assert caplog.text.count("sendfile refused") == 1
+
+
 def test_parts_of_a_striped_object_on_several_connections(store: Store) -> None:
     size, part = 1 << 20, 256 << 10
     data = os.urandom(size)

@@ -38,7 +38,14 @@ class ShmSegment:
     """One mapped shared-memory segment. ``view`` is a writable memoryview over all ``size`` bytes."""
 
     def __init__(
-        self, path: str, size: int, mapping: mmap.mmap, segment_id: int, owner: bool, hugepages: str = ""
+        self,
+        path: str,
+        size: int,
+        mapping: mmap.mmap,
+        segment_id: int,
+        owner: bool,
+        hugepages: str = "",
+        fd: int = -1,
     ) -> None:
         self.path = path
         self.size = size
@@ -48,6 +55,8 @@ class ShmSegment:
         self._owner = owner
         self._closed = False
         self.view = memoryview(mapping)
+        self.fd = fd
+        """The open file (the creator's), for ``os.sendfile`` of READs; -1 when there is none."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -84,7 +93,6 @@ class ShmSegment:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
         seg_id = new_segment_id() if segment_id is None else segment_id
         logger.info(
             "created segment %x: %s, %d bytes%s",
@@ -93,7 +101,8 @@ class ShmSegment:
             size,
             f", {hugepages} hugepages" if hugepages else "",
         )
-        return cls(path, size, mapping, seg_id, owner=True, hugepages=hugepages)
+        # The fd stays open: the data plane sends READs from the file's pages with sendfile (no copy).
+        return cls(path, size, mapping, seg_id, owner=True, hugepages=hugepages, fd=fd)
 
     @classmethod
     def attach(cls, path: str, size: int, segment_id: int = 0) -> ShmSegment:
@@ -140,6 +149,9 @@ class ShmSegment:
         self._closed = True
         if unlink and self._owner:
             _unlink_quietly(self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.view.release()
         try:
             self._mmap.close()

@@ -12,7 +12,6 @@ the data file to the socket with ``sendfile`` (no copy through Python).
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ from kvpool.proto.frames import HEADER, MAGIC, Op, TransferDesc
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
+from kvpool.transfer.tcp import sendfile_all
 
 __all__ = ["StoreTier", "TierStats", "TierWorker", "serve_tier_read"]
 
@@ -60,13 +60,9 @@ def serve_tier_read(
         return start, 0
     # MSG_MORE: the header and the first bytes of the value leave in one segment.
     sock.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, desc.part_length), socket.MSG_MORE)
-    offset, left = start + desc.part_offset, desc.part_length
-    while left:
-        n = os.sendfile(sock.fileno(), tier.data_fd, offset, left)
-        if n <= 0:
-            raise OSError(f"SSD data of {g.key!r} ended early")  # the header promised more: close
-        offset += n
-        left -= n
+    # The header promised the bytes: a file that refuses sendfile or ends early closes the connection.
+    if sendfile_all(sock, tier.data_fd, start + desc.part_offset, desc.part_length) != desc.part_length:
+        raise OSError(f"the SSD tier's file refused sendfile for {g.key!r}")
     return ErrorCode.OK, desc.part_length
 
 

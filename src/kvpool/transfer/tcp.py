@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import struct
 import threading
@@ -258,6 +259,30 @@ def send_all(
         sent = sock.sendmsg([head, body] if head and body else [head or body])
         taken = min(sent, len(head))
         head, body = head[taken:], body[sent - taken :]
+
+
+_SENDFILE_REFUSED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
+def sendfile_all(sock: socket.socket, fd: int, offset: int, length: int) -> int:
+    """Send ``length`` bytes of file ``fd`` from ``offset`` with sendfile, looping on short sends.
+
+    Returns ``length``, or the bytes sent so far (0) when the file refuses sendfile: the caller sends the
+    rest another way. A stalled peer shows as BlockingIOError (the socket's kernel send timeout) and a file
+    shorter than promised as OSError, as for any send.
+    """
+    done = 0
+    while done < length:
+        try:
+            n = os.sendfile(sock.fileno(), fd, offset + done, length - done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _SENDFILE_REFUSED:
+                return 0
+            raise
+        if n <= 0:
+            raise OSError(f"file ended {length - done} bytes early")
+        done += n
+    return done
 
 
 # ---------------------------------------------------------------------- jobs and batches
