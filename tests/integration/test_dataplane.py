@@ -328,6 +328,49 @@ def test_pipelined_requests_are_answered_in_order(store: Store) -> None:
             store.expected[i * 4096 : i * 4096 + len(d)] = np.frombuffer(d, dtype=np.uint8)
 
 
+def test_held_replies_keep_request_order_across_ops(store: Store) -> None:
+    """Bare replies to pipelined requests may be held back and sent together; whatever op comes next (a
+    READ with its payload, a PING, STORE_INFO), the answers still arrive in request order."""
+    data = os.urandom(300_000)
+    with Raw(store.port) as c:
+        wdesc = TransferDesc(store.grant(GrantOp.WRITE, 0, len(data), b"h"), 0, 0, len(data)).pack()
+        rdesc = TransferDesc(store.grant(GrantOp.READ, 0, len(data), b"h"), 0, 0, len(data)).pack()
+        small = TransferDesc(store.grant(GrantOp.WRITE, 1 << 20, 10, b"s"), 0, 0, 10).pack()
+        c.send(
+            c.header(Op.WRITE, len(wdesc) + len(data), req_id=1)
+            + wdesc
+            + data
+            + c.header(Op.WRITE, len(small) + 10, req_id=2)
+            + small
+            + b"0123456789"
+            + c.header(Op.PING, 0, req_id=3)
+            + c.header(Op.READ, len(rdesc), req_id=4)
+            + rdesc
+            + c.header(Op.PING, 0, req_id=5)
+            + c.header(Op.STORE_INFO, 0, req_id=6)
+        )
+        answers = [c.response() for _ in range(6)]
+    assert [(op, status, rid) for op, status, rid, _ in answers] == [
+        (Op.WRITE, 0, 1),
+        (Op.WRITE, 0, 2),
+        (Op.PING, 0, 3),
+        (Op.READ, 0, 4),
+        (Op.PING, 0, 5),
+        (Op.STORE_INFO, 0, 6),
+    ]
+    assert answers[3][3] == data
+    store.expected[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    store.expected[1 << 20 : (1 << 20) + 10] = np.frombuffer(b"0123456789", dtype=np.uint8)
+
+
+def test_answers_held_before_a_malformed_frame_are_delivered_before_the_close(store: Store) -> None:
+    with Raw(store.port) as c:
+        c.send(c.header(Op.PING, 0, req_id=1) + c.header(Op.PING, 0, req_id=2) + c.header(Op.PING, 0, magic=7))
+        assert [c.response()[1:3] for _ in range(2)] == [(0, 1), (0, 2)]
+        expect_closed_with(c, ErrorCode.BAD_FRAME)
+    fresh_round_trip(store)
+
+
 # -------------------------------------------------------------- rejected requests (connection stays usable)
 def test_bad_mac_is_auth_failed_and_the_payload_is_drained(store: Store) -> None:
     good = store.grant(GrantOp.WRITE, 0, 4096)

@@ -110,11 +110,12 @@ def strerror(code: int) -> str:
 
 
 def as_code(value: int) -> ErrorCode:
-    """Map an int from the wire to an ErrorCode; unknown negative values become INTERNAL."""
-    try:
-        return ErrorCode(value)
-    except ValueError:
-        return ErrorCode.INTERNAL
+    """Map an int from the wire to an ErrorCode; unknown values become INTERNAL."""
+    # A dict lookup, not ErrorCode(value): the Enum call costs ~2 us, paid per key of every batch.
+    return _BY_VALUE.get(value, ErrorCode.INTERNAL)
+
+
+_BY_VALUE: dict[int, ErrorCode] = {int(code): code for code in ErrorCode}
 
 
 class KvPoolError(Exception):

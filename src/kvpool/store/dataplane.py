@@ -56,6 +56,8 @@ from kvpool.transfer.tcp import FrameReader, Spinner, send_all, sendfile_all, se
 logger = get_logger(__name__)
 
 _SCRATCH_BYTES = 256 * 1024
+_MAX_HELD_REPLIES = 16
+"""Held replies are sent at the latest when this many wait (a client's pipeline window)."""
 _SENDFILE_MIN_BYTES = 128 << 10
 """READ parts at least this long are sent with sendfile (when the segment's file system allows it); a
 smaller one leaves sooner as one sendmsg than as a header and a sendfile."""
@@ -120,6 +122,8 @@ class _Conn:
     thread: threading.Thread | None = None
     authed: bool = True  # False until a valid HELLO when the cluster requires a token
     client: str = ""  # the peer's host: what per-client limits count
+    held: list[bytes] = field(default_factory=list)
+    """Bare replies not sent yet: they leave together once no further request is waiting (see _loop)."""
 
 
 class DataPlaneServer:
@@ -307,7 +311,8 @@ class DataPlaneServer:
         except _Close as exc:
             conn.stats.error(exc.code)
             logger.warning("data plane: closing %s: %s: %s", conn.peer, exc.code.name, exc)
-            _reply_and_close(sock, exc.code, exc.req_id, exc.op)
+            # The requests answered before this one keep their (held) answers.
+            _reply_and_close(sock, exc.code, exc.req_id, exc.op, _take_held(conn))
         except BlockingIOError:
             logger.warning("data plane: closing %s: stalled for %.0f s mid-frame", conn.peer, self._stall_timeout_s)
         except (KvPoolError, OSError) as exc:
@@ -325,6 +330,10 @@ class DataPlaneServer:
         scratch: memoryview | None = None
         stats = conn.stats
         while True:
+            # Replies to pipelined requests are held while the next request is already here and leave in
+            # one send when none is: one wake-up of the client per burst instead of one per reply.
+            if conn.held and not reader.poll():
+                self._flush(conn)
             if not self._wait_for_frame(reader):
                 return
             magic, op, _flags, _status, req_id, length = HEADER.unpack(reader.read(HEADER_SIZE))
@@ -401,6 +410,8 @@ class DataPlaneServer:
         desc = _desc(GrantOp.READ, fields, bytes(raw[DESC.size :]))
         tier = self._tiers.get(desc.grant.segment_id)
         if tier is not None:  # an SSD-tier replica: sendfile from its file
+            if conn.held:
+                self._flush(conn)
             code, sent = serve_tier_read(conn.sock, tier[0], tier[1], desc, req_id, self._clock.wall_ms())
             if code != ErrorCode.OK:
                 conn.stats.error(code)
@@ -413,12 +424,12 @@ class DataPlaneServer:
             self._reply(conn, Op.READ, req_id, code)
             return
         try:
-            self._send_part(conn.sock, seg, req_id, desc.grant.offset + desc.part_offset, desc.part_length)
+            self._send_part(conn, seg, req_id, desc.grant.offset + desc.part_offset, desc.part_length)
         finally:
             self.limits.release(conn.client, desc.part_length)
         conn.stats.bytes_read += desc.part_length
 
-    def _send_part(self, sock: socket.socket, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
+    def _send_part(self, conn: _Conn, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
         """The READ answer: header, then the segment's bytes [start, start + length).
 
         From the segment file with sendfile where the file system allows it: the socket then references
@@ -427,7 +438,8 @@ class DataPlaneServer:
         lease held, i.e. force-removed; every reader verifies the object's checksum, so that shows as a
         mismatch, never as wrong bytes.
         """
-        header = HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, length)
+        sock = conn.sock
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, length)
         sent = 0
         if seg.fd >= 0 and length >= _SENDFILE_MIN_BYTES and seg.id not in self._no_sendfile:
             sock.sendall(header, socket.MSG_MORE)  # the header leaves with the first bytes of the value
@@ -525,7 +537,15 @@ class DataPlaneServer:
 
     @staticmethod
     def _reply(conn: _Conn, op: int, req_id: int, code: ErrorCode) -> None:
-        conn.sock.sendall(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
+        """A bare reply (no payload): held, to leave with the next ones (``_flush``)."""
+        held = conn.held
+        held.append(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
+        if len(held) >= _MAX_HELD_REPLIES:
+            DataPlaneServer._flush(conn)
+
+    @staticmethod
+    def _flush(conn: _Conn) -> None:
+        conn.sock.sendall(_take_held(conn))
 
     def _send_info(self, conn: _Conn, req_id: int) -> None:
         try:
@@ -535,7 +555,7 @@ class DataPlaneServer:
             conn.stats.error(ErrorCode.INTERNAL)
             self._reply(conn, Op.STORE_INFO, req_id, ErrorCode.INTERNAL)
             return
-        header = HEADER.pack(MAGIC, Op.STORE_INFO, 0, 0, req_id, len(payload))
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.STORE_INFO, 0, 0, req_id, len(payload))
         send_all(conn.sock, header, memoryview(payload))
 
     def _info(self) -> dict[str, Any]:
@@ -545,6 +565,16 @@ class DataPlaneServer:
             "segments": [{"id": s.id, "size": s.size, "path": s.path} for s in self._segments.values()],
             "port": self.port,
         }
+
+
+def _take_held(conn: _Conn) -> bytes:
+    """The held replies, to go out ahead of whatever is sent next (in request order); none held any more."""
+    held = conn.held
+    if not held:
+        return b""
+    data = b"".join(held)
+    held.clear()
+    return data
 
 
 def _desc(op: GrantOp, fields: tuple[Any, ...], key: bytes) -> TransferDesc:
@@ -566,10 +596,10 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def _reply_and_close(sock: socket.socket, code: ErrorCode, req_id: int, op: int) -> None:
-    """Best-effort error reply (never blocks on a peer that does not read), then close."""
+def _reply_and_close(sock: socket.socket, code: ErrorCode, req_id: int, op: int, held: bytes = b"") -> None:
+    """Best-effort error reply after any ``held`` ones (never blocks on a peer that does not read), then close."""
     try:
-        sock.send(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0), socket.MSG_DONTWAIT)
+        sock.send(held + HEADER.pack(MAGIC, op, 0, int(code), req_id, 0), socket.MSG_DONTWAIT)
         sock.shutdown(socket.SHUT_WR)
     except OSError:
         pass

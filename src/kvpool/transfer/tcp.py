@@ -192,6 +192,18 @@ class FrameReader:
         self._end = got
         return got > 0
 
+    def poll(self) -> bool:
+        """Whether bytes of a next frame are here already: buffered, or readable now without blocking
+        (they are read ahead). False on EOF too; ``wait_readable`` then reports it."""
+        if self._end > self._start:
+            return True
+        self._start = self._end = 0
+        try:
+            self._end = self.sock.recv_into(self._view, len(self._buf), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        return self._end > 0
+
     def _fill(self, n: int) -> None:
         if self._start + n > len(self._buf):  # compact: move the unread tail to the front
             tail = self._end - self._start
