@@ -159,9 +159,9 @@ class DataPlaneServer:
         self._secrets: dict[int, bytes] = dict(secrets)
         self._max_part = max((s.size for s in self._segments.values()), default=0)
         self._tiers: dict[int, tuple[SsdTier, bytes]] = {}
+        """SSD-tier segments (READ only; the store itself writes them): id -> (tier, grant secret)."""
         self._no_sendfile: set[int] = set()
         """Segments whose file refused sendfile (a kernel or file system without splice): copied instead."""
-        """SSD-tier segments (READ only; the store itself writes them): id -> (tier, grant secret)."""
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._totals = DataPlaneStats()
@@ -433,23 +433,22 @@ class DataPlaneServer:
         """The READ answer: header, then the segment's bytes [start, start + length).
 
         From the segment file with sendfile where the file system allows it: the socket then references
-        the segment's pages instead of copying them, which halves the CPU a read costs the store. The pages
+        the segment's pages, so the store copies nothing (decision 0009). The pages
         may change before the client has received them only if the range was re-allocated while its read
         lease held, i.e. force-removed; every reader verifies the object's checksum, so that shows as a
         mismatch, never as wrong bytes.
         """
         sock = conn.sock
         header = _take_held(conn) + HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, length)
-        sent = 0
         if seg.fd >= 0 and length >= _SENDFILE_MIN_BYTES and seg.id not in self._no_sendfile:
             sock.sendall(header, socket.MSG_MORE)  # the header leaves with the first bytes of the value
             header = b""
-            sent = sendfile_all(sock, seg.fd, start, length)
-            if sent == length:
+            if sendfile_all(sock, seg.fd, start, length) == length:
                 return
+            # Refused before any byte left (sendfile_all's contract): the whole part is copied below.
             self._no_sendfile.add(seg.id)
             logger.warning("data plane: sendfile refused for segment %s; reads of it are copied", seg.path)
-        data = seg.view[start + sent : start + length]
+        data = seg.view[start : start + length]
         try:
             send_all(sock, header, data)
         finally:
