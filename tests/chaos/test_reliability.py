@@ -8,7 +8,6 @@ was lost is printed on a ``RELIABILITY {json}`` line (docs/reliability.md collec
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -353,10 +352,7 @@ class _Direct(TcpTransport):
     def _moved(self, requests: Sequence[TransferRequest]) -> list[TransferRequest]:
         proxied, real = self._map
         return [
-            dataclasses.replace(
-                r,
-                replica=dataclasses.replace(r.replica, tcp_endpoint=r.replica.tcp_endpoint.replace(proxied, real)),
-            )
+            r._replace(replica=r.replica._replace(tcp_endpoint=r.replica.tcp_endpoint.replace(proxied, real)))
             for r in requests
         ]
 

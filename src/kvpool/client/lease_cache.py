@@ -27,7 +27,8 @@ from kvpool.common.clock import Clock
 
 
 class LeaseCache:
-    """A bounded, thread-safe map key -> GetReplicasResult, least recently used out first."""
+    """A bounded, thread-safe map key -> resolved master answer (code, size, checksum, lease expiry,
+    replicas), least recently used out first."""
 
     def __init__(self, max_entries: int, clock: Clock, margin_ms: int = 1000) -> None:
         self._max = max_entries

@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache
@@ -352,36 +352,40 @@ class PoolClient:
 
     def _get_replicas(
         self, keys: Sequence[str], deadline: Deadline, use_cache: bool = True
-    ) -> tuple[list[Any], list[int]]:
+    ) -> tuple[list[_Resolved], list[int]]:
         """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...)
         and the positions answered from the lease cache, which asks the master only for the others."""
-        results: list[Any] = [None] * len(keys)
-        cached: list[int] = []
-        if use_cache and self._leases.enabled:
-            for i, key in enumerate(keys):
-                results[i] = self._leases.get(key)
-                if results[i] is not None:
-                    cached.append(i)
-        if cached:
-            self._counters.add(lease_cache_hits=len(cached))
-        if len(cached) == len(keys):
-            return results, cached
-        missing = [i for i, r in enumerate(results) if r is None]
+        leases = self._leases
+        if use_cache and leases.enabled:
+            found = [leases.get(key) for key in keys]
+            cached = [i for i, r in enumerate(found) if r is not None]
+            if cached:
+                self._counters.add(lease_cache_hits=len(cached))
+                if len(cached) == len(keys):
+                    return found, cached  # type: ignore[return-value]  # no None left
+        else:
+            found, cached = [None] * len(keys), []
+        missing = [i for i, r in enumerate(found) if r is None]
         asked = [keys[i] for i in missing] if cached else list(keys)
         try:
             resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=asked), deadline)
-            answers = list(resp.results)
+            answers = [_resolved(r) for r in resp.results]
         except KvPoolError as exc:
             self._counters.add(degraded_calls=1)
-            answers = [pb.GetReplicasResult(code=int(exc.code))] * len(asked)
+            answers = [_Resolved(int(exc.code))] * len(asked)
         for i, key, result in zip(missing, asked, answers, strict=True):
-            results[i] = result
+            found[i] = result
             if result.code == ErrorCode.OK:
-                self._leases.put(key, result)
-        return results, cached
+                leases.put(key, result)
+        return found, cached  # type: ignore[return-value]
 
     def _read_resolved(
-        self, keys: Sequence[str], results: list[Any], cached: list[int], views: list[memoryview], deadline: Deadline
+        self,
+        keys: Sequence[str],
+        results: list[_Resolved],
+        cached: list[int],
+        views: list[memoryview],
+        deadline: Deadline,
     ) -> list[int]:
         """Read every resolved key; a read from a cached lease that failed is resolved again at the master."""
         codes = self._read_all(keys, results, views, deadline)
@@ -398,7 +402,7 @@ class PoolClient:
         return codes
 
     def _read_all(
-        self, keys: Sequence[str], results: list[Any], views: list[memoryview], deadline: Deadline
+        self, keys: Sequence[str], results: list[_Resolved], views: list[memoryview], deadline: Deadline
     ) -> list[int]:
         """Read each found object from one replica, falling back to the next replica on failure."""
         codes = [0] * len(keys)
@@ -411,8 +415,8 @@ class PoolClient:
             elif not r.replicas:
                 codes[i] = int(ErrorCode.OBJECT_NOT_FOUND)
             else:
-                replicas = [_replica(d) for d in r.replicas]
-                pending[i] = self._transports.order(replicas) if len(replicas) > 1 else replicas
+                replicas = r.replicas
+                pending[i] = self._transports.order(replicas) if len(replicas) > 1 else list(replicas)
         while pending:
             batch = {i: replicas.pop(0) for i, replicas in pending.items()}
             # The transport verifies each object's checksum as soon as its bytes land.
@@ -429,7 +433,7 @@ class PoolClient:
                     del pending[i]
         return codes
 
-    def _verify(self, code: ErrorCode, result: Any) -> ErrorCode:
+    def _verify(self, code: ErrorCode, result: _Resolved) -> ErrorCode:
         """The transport checked the bytes against the checksum; the lease must still hold too."""
         if code == ErrorCode.CHECKSUM_MISMATCH:
             self._counters.add(checksum_mismatches=1)
@@ -443,9 +447,14 @@ class PoolClient:
         return ErrorCode.OK
 
     def _count_reads(self, codes: list[int]) -> None:
-        misses = sum(1 for c in codes if c == ErrorCode.OBJECT_NOT_FOUND)
-        ok = [c for c in codes if c >= 0]
-        self._counters.add(gets=len(ok), get_bytes=sum(ok), get_misses=misses, get_errors=len(codes) - len(ok) - misses)
+        ok = got = misses = 0
+        for code in codes:
+            if code >= 0:
+                ok += 1
+                got += code
+            elif code == ErrorCode.OBJECT_NOT_FOUND:
+                misses += 1
+        self._counters.add(gets=ok, get_bytes=got, get_misses=misses, get_errors=len(codes) - ok - misses)
 
     # --- removal, pins, buffers, stats ----------------------------------------------------------
 
@@ -511,3 +520,18 @@ class PoolClient:
 
 def _replica(d: pb.ReplicaDescriptor) -> Replica:
     return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac, d.tier)
+
+
+class _Resolved(NamedTuple):
+    """A master's answer for one key to read, in plain Python: converted once, so that a read served
+    from the lease cache does not pay for protobuf field access again (~4 us per key)."""
+
+    code: int
+    size: int = 0
+    checksum: int = 0
+    lease_expiry_ms: int = 0
+    replicas: tuple[Replica, ...] = ()
+
+
+def _resolved(r: pb.GetReplicasResult) -> _Resolved:
+    return _Resolved(r.code, r.size, r.checksum, r.lease_expiry_ms, tuple(_replica(d) for d in r.replicas))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.common.checksum import LazyChecksum, checksum, checksum_value
 from kvpool.common.clock import Deadline
@@ -21,9 +21,12 @@ from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import Grant, GrantOp
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
-    """Where one copy of an object lives, and the grant to touch it (from the master)."""
+class Replica(NamedTuple):
+    """Where one copy of an object lives, and the grant to touch it (from the master).
+
+    Named tuples, as TransferRequest: one is built per object per read, and a frozen dataclass costs
+    ~4x as much to construct.
+    """
 
     segment_id: int
     node: str
@@ -39,8 +42,7 @@ class Replica:
         return Grant(op, self.segment_id, self.offset, self.length, self.expiry_ms, key, self.mac)
 
 
-@dataclass(frozen=True, slots=True)
-class TransferRequest:
+class TransferRequest(NamedTuple):
     """One object transfer. ``buffer`` is the source (WRITE) or destination (READ); its length is the
     object's length.
 

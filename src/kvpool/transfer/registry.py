@@ -41,7 +41,7 @@ class TransportSet:
         )
         return cls(transports, node)
 
-    def order(self, replicas: list[Replica]) -> list[Replica]:
+    def order(self, replicas: Sequence[Replica]) -> list[Replica]:
         """Replicas in read preference: DRAM before an SSD tier (a disk read is slower than any network),
         then same node first (memcpy beats any network)."""
         return sorted(replicas, key=lambda r: (r.tier != 0, r.node != self._node))
@@ -53,8 +53,11 @@ class TransportSet:
         return len(self._transports) - 1
 
     def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
-        if not requests:
-            return []
+        if len(requests) <= 1:  # a single get or put: no grouping to do
+            if not requests:
+                return []
+            transport = self._transports[self._pick(requests[0].replica)]
+            return _verified(transport, requests, transport.transfer(requests, deadline))
         groups: dict[int, list[int]] = {}
         for position, request in enumerate(requests):
             groups.setdefault(self._pick(request.replica), []).append(position)
