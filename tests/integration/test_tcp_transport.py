@@ -25,6 +25,7 @@ from kvpool.proto.frames import HEADER, MAGIC, Op
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
+from kvpool.transfer import tcp
 from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.tcp import TcpTransport, parse_endpoint, spin_recv_into
 
@@ -197,6 +198,43 @@ def test_256_objects_on_one_connection_with_a_small_window(store: Store, threads
         put_then_get(t, store, [100_000] * 256)
     finally:
         t.close()
+
+
+def test_a_burst_of_reads_leaves_in_few_sends(
+    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 small READs on one lane with a window of 16: refilled half a window at a time, one vectored
+    send each (the store wakes once per burst), and still every byte in its place."""
+    t = TcpTransport(connections_per_endpoint=1, window=16)
+    sends: list[int] = []
+    real = tcp.send_vectored
+
+    def counting(sock: socket.socket, buffers: list[object], before: Callable[[], None] | None = None) -> None:
+        if buffers:
+            sends.append(len(buffers))
+        real(sock, buffers, before)
+
+    try:
+        sizes = [4096 + i for i in range(64)]
+        offsets = lay_out(sizes)
+        values = [random_bytes(n, i) for i, n in enumerate(sizes)]
+        puts = [
+            store.request(GrantOp.WRITE, b"k%d" % i, off, memoryview(v))
+            for i, (off, v) in enumerate(zip(offsets, values, strict=True))
+        ]
+        assert t.transfer(puts, Deadline(10.0)) == [ErrorCode.OK] * 64
+        monkeypatch.setattr(tcp, "send_vectored", counting)
+        outs = [bytearray(n) for n in sizes]
+        gets = [
+            store.request(GrantOp.READ, b"k%d" % i, off, memoryview(o))
+            for i, (off, o) in enumerate(zip(offsets, outs, strict=True))
+        ]
+        assert t.transfer(gets, Deadline(10.0)) == [ErrorCode.OK] * 64
+    finally:
+        t.close()
+    assert outs == values
+    assert sum(sends) == 64  # one frame per READ, no payloads
+    assert len(sends) <= 1 + (64 - 16) // 8, sends  # 16 first, then bursts of 8
 
 
 @pytest.mark.parametrize("buffer", [65536, 0])
