@@ -51,7 +51,15 @@ from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import serve_tier_read
-from kvpool.transfer.tcp import FrameReader, Spinner, send_all, sendfile_all, set_io_timeout, tune_socket
+from kvpool.transfer.tcp import (
+    FrameReader,
+    Spinner,
+    send_all,
+    sendfile_all,
+    set_io_timeout,
+    spin_window,
+    tune_socket,
+)
 
 logger = get_logger(__name__)
 
@@ -340,6 +348,8 @@ class DataPlaneServer:
             if magic != MAGIC:
                 raise _Close(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x}")
             stats.requests += 1
+            if reader.spinner is not None:
+                reader.spinner.window = self._spin_s  # a READ widens it for what follows its answer
             if op == Op.HELLO or not conn.authed:
                 self._hello(conn, reader, op, req_id, length)
             elif op == Op.READ:
@@ -428,6 +438,8 @@ class DataPlaneServer:
         finally:
             self.limits.release(conn.client, desc.part_length)
         conn.stats.bytes_read += desc.part_length
+        if reader.spinner is not None:  # the client's next request comes once it has taken these bytes in
+            reader.spinner.window = spin_window(self._spin_s, desc.part_length)
 
     def _send_part(self, conn: _Conn, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
         """The READ answer: header, then the segment's bytes [start, start + length).
