@@ -42,9 +42,10 @@ def tier_tasks(state: MasterState, req: pb.TierTasksRequest, status: pb.Status) 
     """Apply a store's reported results and hand it its next tasks."""
     done = [(r.id, r.code) for r in req.done]
     code, tasks, pending = state.tiers.exchange(req.store_id, done, min(req.max_tasks, MAX_TASKS_PER_CALL))
+    response = pb.TierTasksResponse(status=status, tasks=[_task(t) for t in tasks], pending=pending)
     if code != 0:
-        status.code = int(code)
-    return pb.TierTasksResponse(status=status, tasks=[_task(t) for t in tasks], pending=pending)
+        response.status.code = int(code)  # the response's copy: ``status`` may be shared
+    return response
 
 
 def _task(t: TierTask) -> pb.TierTask:
