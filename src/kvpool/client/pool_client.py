@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache
@@ -31,7 +31,7 @@ from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
-from kvpool.transfer.base import Replica, TransferRequest
+from kvpool.transfer.base import Replica, TransferRequest, replica_of
 from kvpool.transfer.registry import TransportSet
 
 log = get_logger(__name__)
@@ -242,7 +242,7 @@ class PoolClient:
                 continue
             key_bytes = keys[i].encode()
             for desc in result.replicas:
-                transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, _replica(desc), views[i], sums[i])))
+                transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, replica_of(desc), views[i], sums[i])))
         written = self._write_all(transfers, deadline)
         failpoint(CLIENT_PUT_BEFORE_END)  # chaos tests: a writer dying between the transfers and PutEnd
         self._finish_puts(keys, started.results, written, sums, codes, deadline)
@@ -356,28 +356,26 @@ class PoolClient:
         """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...)
         and the positions answered from the lease cache, which asks the master only for the others."""
         leases = self._leases
-        if use_cache and leases.enabled:
-            found = [leases.get(key) for key in keys]
-            cached = [i for i, r in enumerate(found) if r is not None]
-            if cached:
-                self._counters.add(lease_cache_hits=len(cached))
-                if len(cached) == len(keys):
-                    return found, cached  # type: ignore[return-value]  # no None left
-        else:
-            found, cached = [None] * len(keys), []
-        missing = [i for i, r in enumerate(found) if r is None]
-        asked = [keys[i] for i in missing] if cached else list(keys)
-        try:
-            resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=asked), deadline)
-            answers = [_resolved(r) for r in resp.results]
-        except KvPoolError as exc:
-            self._counters.add(degraded_calls=1)
-            answers = [_Resolved(int(exc.code))] * len(asked)
-        for i, key, result in zip(missing, asked, answers, strict=True):
-            found[i] = result
-            if result.code == ErrorCode.OK:
-                leases.put(key, result)
-        return found, cached  # type: ignore[return-value]
+        found: list[_Resolved | None] = (
+            [leases.get(key) for key in keys] if use_cache and leases.enabled else [None] * len(keys)
+        )
+        cached = [i for i, r in enumerate(found) if r is not None]
+        if cached:
+            self._counters.add(lease_cache_hits=len(cached))
+        if len(cached) < len(keys):
+            missing = [i for i, r in enumerate(found) if r is None]
+            asked = [keys[i] for i in missing] if cached else list(keys)
+            try:
+                resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=asked), deadline)
+                answers = [_resolved(r) for r in resp.results]
+            except KvPoolError as exc:
+                self._counters.add(degraded_calls=1)
+                answers = [_Resolved(int(exc.code))] * len(asked)
+            for i, key, result in zip(missing, asked, answers, strict=True):
+                found[i] = result
+                if result.code == ErrorCode.OK:
+                    leases.put(key, result)
+        return cast(list[_Resolved], found), cached  # every position is filled now
 
     def _read_resolved(
         self,
@@ -518,10 +516,6 @@ class PoolClient:
         self.close()
 
 
-def _replica(d: pb.ReplicaDescriptor) -> Replica:
-    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac, d.tier)
-
-
 class _Resolved(NamedTuple):
     """A master's answer for one key to read, in plain Python: converted once, so that a read served
     from the lease cache does not pay for protobuf field access again (~4 us per key)."""
@@ -534,4 +528,4 @@ class _Resolved(NamedTuple):
 
 
 def _resolved(r: pb.GetReplicasResult) -> _Resolved:
-    return _Resolved(r.code, r.size, r.checksum, r.lease_expiry_ms, tuple(_replica(d) for d in r.replicas))
+    return _Resolved(r.code, r.size, r.checksum, r.lease_expiry_ms, tuple(replica_of(d) for d in r.replicas))

@@ -38,7 +38,7 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.proto.frames import MAX_KEY_BYTES
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
-from kvpool.transfer.base import Replica, TransferRequest, Transport
+from kvpool.transfer.base import TransferRequest, Transport, replica_of
 
 __all__ = ["Mover", "MoverStats"]
 
@@ -178,7 +178,7 @@ class Mover(threading.Thread):
                     results.append(self._result(task, code if code != ErrorCode.OK else ErrorCode.CANCELLED))
                     continue
                 started.append((task, view))
-                requests.append(TransferRequest(GrantOp.READ, task.key.encode(), _replica(task.source), view))
+                requests.append(TransferRequest(GrantOp.READ, task.key.encode(), replica_of(task.source), view))
             if requests:
                 expiry_ms = min(task.target.expiry_ms for task, _ in started)
                 deadline = Deadline(max(0.1, (expiry_ms - GRANT_MARGIN_MS - now_ms) / 1000.0))
@@ -255,17 +255,3 @@ class Mover(threading.Thread):
     @staticmethod
     def _result(task: pb.MoveTask, code: ErrorCode) -> pb.MoveResult:
         return pb.MoveResult(task_id=task.task_id, code=int(code))
-
-
-def _replica(d: pb.ReplicaDescriptor) -> Replica:
-    return Replica(
-        d.segment_id,
-        d.node,
-        d.tcp_endpoint,
-        d.shm_path,
-        d.offset,
-        d.length,
-        d.expiry_ms,
-        bytes(d.mac),
-        d.tier,
-    )

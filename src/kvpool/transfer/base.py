@@ -19,6 +19,7 @@ from kvpool.common.checksum import LazyChecksum, checksum, checksum_value
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import Grant, GrantOp
+from kvpool.proto import master_pb2 as pb
 
 
 class Replica(NamedTuple):
@@ -40,6 +41,11 @@ class Replica(NamedTuple):
 
     def grant(self, op: GrantOp, key: bytes) -> Grant:
         return Grant(op, self.segment_id, self.offset, self.length, self.expiry_ms, key, self.mac)
+
+
+def replica_of(d: pb.ReplicaDescriptor) -> Replica:
+    """The master's descriptor (its grant included) as a Replica."""
+    return Replica(d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac, d.tier)
 
 
 class TransferRequest(NamedTuple):
