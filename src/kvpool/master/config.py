@@ -14,6 +14,12 @@ class MasterConfig:
     host: str = option("127.0.0.1", "Address to listen on.")
     port: int = option(50051, "gRPC port (control plane; the address clients and stores are given). 0 = any free port.")
     rpc_port: int = option(0, "Port of the lean framed protocol for the engine's hot calls. 0 = any free port.")
+    spin_us: int = option(
+        50,
+        "After answering a framed call, poll the connections this many microseconds for the next request "
+        "before the event loop sleeps, while callers are calling back to back: their next call then skips "
+        "the loop's wake-up. 0 always sleeps.",
+    )
     metrics_port: int = option(0, "Port of the HTTP /metrics and /health endpoint. 0 = any free port, -1 = off.")
     advertise: str = option("", "Host name other machines use to reach this master (default: --host).")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
@@ -78,6 +84,8 @@ class MasterConfig:
             raise ValueError("need 0 < eviction_target <= eviction_high_watermark <= 1")
         if self.num_shards < 1:
             raise ValueError("num_shards must be >= 1")
+        if self.spin_us < 0:
+            raise ValueError("spin_us must be >= 0")
         if self.default_replica_num < 1:
             raise ValueError("default_replica_num must be >= 1")
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.store_ttl_s <= 0:
