@@ -3,7 +3,7 @@
 An engine that makes one hot call after another (single-key exists, a lookup per request) sends its next
 request a few tens of µs after our answer. If the event loop has gone to sleep in epoll meanwhile, the
 kernel must wake it - on a VM a halted vCPU, tens of µs that are most of a ~60 µs call (measured: an
-exists round trip 63-74 µs without this, 47-55 µs with it). So after answering, the loop polls every
+exists round trip 50-62 µs per call without this, 34-55 µs with it). So after answering, the loop polls every
 framed connection, without blocking, for up to ``spin_s``, and returns to uvloop as soon as any has
 bytes (uvloop then finds them ready and does not sleep).
 
