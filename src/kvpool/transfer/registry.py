@@ -53,11 +53,8 @@ class TransportSet:
         return len(self._transports) - 1
 
     def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
-        if len(requests) <= 1:  # a single get or put: no grouping to do
-            if not requests:
-                return []
-            transport = self._transports[self._pick(requests[0].replica)]
-            return _verified(transport, requests, transport.transfer(requests, deadline))
+        if not requests:
+            return []
         groups: dict[int, list[int]] = {}
         for position, request in enumerate(requests):
             groups.setdefault(self._pick(request.replica), []).append(position)

@@ -276,16 +276,8 @@ def send_all(
     payload: memoryview | None = None,
     before: Callable[[], None] | None = None,
 ) -> None:
-    """Send ``frame`` then ``payload`` with ``sendmsg`` (the payload is not copied), looping on short sends;
-    ``before`` runs before each syscall (as in :func:`recv_all_into`)."""
-    head = memoryview(frame)
-    body = payload if payload is not None else memoryview(b"")
-    while head or body:
-        if before is not None:
-            before()
-        sent = sock.sendmsg([head, body] if head and body else [head or body])
-        taken = min(sent, len(head))
-        head, body = head[taken:], body[sent - taken :]
+    """Send ``frame`` then ``payload`` (not copied) with :func:`send_vectored`."""
+    send_vectored(sock, [frame] if payload is None else [frame, payload], before)
 
 
 def send_vectored(sock: socket.socket, buffers: list[Any], before: Callable[[], None] | None = None) -> None:
