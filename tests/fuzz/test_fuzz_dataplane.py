@@ -1,7 +1,7 @@
 """Fuzzing the store's data-plane frame parser against a real DataPlaneServer (in-process, real sockets).
 
-Each example sends one connection's worth of frames - valid ones (HELLO, PING, STORE_INFO, READ and WRITE
-under real grants), mutated ones (bit flips, edge-value fields, truncations, splices) and random bytes -
+Each example sends one connection's worth of frames - valid ones (HELLO, PING, STORE_INFO, READ, READV
+and WRITE under real grants), mutated ones (bit flips, edge-value fields, truncations, splices) and random bytes -
 then closes its side and drains the replies. After every example:
 
 * the server still serves (a fresh connection gets a PING answered),
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from kvpool.common.auth import TokenChecker
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
-from kvpool.proto.frames import HEADER, HEADER_SIZE, MAGIC, Op, TransferDesc
+from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_READV_ENTRIES, READV_COUNT, Op, TransferDesc
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits
@@ -100,8 +100,17 @@ def frame(op: int, payload: bytes = b"", req_id: int = 1) -> bytes:
 
 
 @st.composite
+def granted_part(draw: st.DrawFn, t: Target) -> bytes:
+    """DESC + key for a part of one of the target's grants."""
+    grant = draw(st.sampled_from(t.grants))
+    part_off = draw(st.integers(0, grant.length))
+    part_len = draw(st.integers(0, grant.length - part_off))
+    return TransferDesc(grant, 0, part_off, part_len).pack()
+
+
+@st.composite
 def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
-    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "write", "record"]))
+    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "readv", "write", "record"]))
     if kind == "hello":
         return frame(Op.HELLO, t.token)
     if kind == "bad_hello":
@@ -110,10 +119,11 @@ def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
         return frame(Op.PING)
     if kind == "info":
         return frame(Op.STORE_INFO)
-    grant = draw(st.sampled_from(t.grants))
-    part_off = draw(st.integers(0, grant.length))
-    part_len = draw(st.integers(0, grant.length - part_off))
-    desc = TransferDesc(grant, 0, part_off, part_len).pack()
+    if kind == "readv":  # READ grants, WRITE grants (refused) and expired ones, several to a frame
+        entries = draw(st.lists(granted_part(t), min_size=1, max_size=MAX_READV_ENTRIES))
+        return frame(Op.READV, READV_COUNT.pack(len(entries)) + b"".join(entries))
+    desc = draw(granted_part(t))
+    part_len = DESC.unpack_from(desc)[6]
     if kind == "read":
         return frame(Op.READ, desc)
     if kind == "record":  # a same-node client's "I memcpy'd it": no bytes move, the inventory may change

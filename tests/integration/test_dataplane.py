@@ -25,7 +25,17 @@ from hypothesis import strategies as st
 
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
-from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, Op, TransferDesc
+from kvpool.proto.frames import (
+    DESC,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_READV_ENTRIES,
+    MAX_READV_PAYLOAD,
+    READV_COUNT,
+    Op,
+    TransferDesc,
+)
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory, InventoryEntry
 from kvpool.store.segment import ShmSegment
@@ -168,6 +178,15 @@ class Raw:
         _op, status, req_id, payload = self.response()
         assert req_id == self.req_id
         return status, payload
+
+    def readv(self, entries: list[tuple[Grant, int, int]]) -> tuple[int, list[int], bytes]:
+        """One READV of (grant, part_offset, part_length) entries: (frame status, entry codes, data)."""
+        body = READV_COUNT.pack(len(entries)) + b"".join(TransferDesc(g, 0, o, n).pack() for g, o, n in entries)
+        self.send(self.header(Op.READV, len(body)) + body)
+        op, status, req_id, payload = self.response()
+        assert (op, req_id) == (Op.READV, self.req_id)
+        codes = list(struct.unpack_from(f"<{len(entries)}i", payload)) if status == 0 else []
+        return status, codes, payload[4 * len(codes) :]
 
     def ping(self) -> int:
         self.send(self.header(Op.PING, 0))
@@ -436,6 +455,57 @@ def test_ranges_outside_the_grant_or_the_segment(store: Store) -> None:
         assert c.read(store.grant(GrantOp.READ, 0, 100), part_offset=huge, part_length=2)[0] == ErrorCode.OUT_OF_BOUNDS
         assert c.ping() == ErrorCode.OK
     assert store.inventory.entries(store.segment.id) == []
+
+
+@pytest.mark.parametrize("key_bytes", [3, 400])  # 400: the frame is longer than the read-ahead buffer
+def test_readv_checks_every_entry_on_its_own(store: Store, key_bytes: int) -> None:
+    data = os.urandom(3 * 4096)
+    with Raw(store.port) as c:
+        for i in range(3):
+            key = b"%d" % i * key_bytes
+            assert c.write(store.grant(GrantOp.WRITE, i * 4096, 4096, key), data[i * 4096 : (i + 1) * 4096]) == 0
+        keys = [b"%d" % i * key_bytes for i in range(3)]
+        good = [store.grant(GrantOp.READ, i * 4096, 4096, keys[i]) for i in range(3)]
+        forged = Grant(GrantOp.READ, store.segment.id, 0, 4096, now_ms() + 60_000, keys[0], b"\0" * 16)
+        expired = store.grant(GrantOp.READ, 4096, 4096, keys[1], expiry_ms=now_ms() - 1)
+        entries = [(good[0], 0, 4096), (forged, 0, 4096), (good[2], 100, 50), (expired, 0, 4096), (good[1], 0, 0)]
+        entries += [(good[1], 0, 4096)] * (MAX_READV_ENTRIES - len(entries))
+        status, codes, got = c.readv(entries)
+        assert status == ErrorCode.OK
+        tail = [ErrorCode.OK] * (MAX_READV_ENTRIES - 5)
+        assert codes == [ErrorCode.OK, ErrorCode.AUTH_FAILED, ErrorCode.OK, ErrorCode.GRANT_EXPIRED, 0, *tail]
+        assert got == data[:4096] + data[8192 + 100 : 8192 + 150] + data[4096:8192] * len(tail)
+        assert c.ping() == ErrorCode.OK  # refused entries leave the connection usable
+    stats = store.server.statistics()
+    assert stats.errors == {"AUTH_FAILED": 1, "GRANT_EXPIRED": 1}
+
+
+def readv_body(entries: list[bytes], count: int | None = None) -> bytes:
+    return READV_COUNT.pack(len(entries) if count is None else count) + b"".join(entries)
+
+
+def test_malformed_readv_frames_close_the_connection(store: Store) -> None:
+    g = store.grant(GrantOp.READ, 0, 100, key=b"abc")
+    entry = write_desc(g, 100)
+    bodies = {
+        "no entry": readv_body([], 0),
+        "count 0 with an entry": readv_body([entry], 0),
+        "more entries than allowed": readv_body([entry] * (MAX_READV_ENTRIES + 1)),
+        "count above the entries": readv_body([entry], 2),
+        "bytes left over": readv_body([entry]) + b"x",
+        "truncated entry": readv_body([entry])[:-1],
+        "key too long": readv_body([write_desc(g, 100, key_len=513) + b"k" * 510]),
+        "key past the payload": readv_body([write_desc(g, 100, key_len=200)]),
+    }
+    for name, body in bodies.items():
+        with Raw(store.port) as c:
+            c.send(c.header(Op.READV, len(body)) + body)
+            assert c.response()[1] == ErrorCode.BAD_FRAME, name
+            assert c.is_closed_by_peer(), name
+    with Raw(store.port) as c:  # longer than any valid READV: refused before it is read
+        c.send(c.header(Op.READV, MAX_READV_PAYLOAD + 1) + readv_body([entry]))
+        expect_closed_with(c, ErrorCode.BAD_FRAME)
+    fresh_round_trip(store)
 
 
 def test_zero_length_parts(store: Store) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, make_grant, new_secret
 from kvpool.proto.frames import HEADER, MAGIC, Op
-from kvpool.store.dataplane import DataPlaneServer
+from kvpool.store.dataplane import DataPlaneServer, _Close
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 from kvpool.transfer import tcp
@@ -203,9 +204,10 @@ def test_256_objects_on_one_connection_with_a_small_window(store: Store, threads
 def test_a_burst_of_reads_leaves_in_few_sends(
     store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """64 small READs on one lane with a window of 16: refilled half a window at a time, one vectored
-    send each (the store wakes once per burst), and still every byte in its place."""
-    t = TcpTransport(connections_per_endpoint=1, window=16)
+    """64 small READs on one lane with a window of 16, one READ frame each (READV off, as towards an older
+    store): refilled half a window at a time, one vectored send each (the store wakes once per burst),
+    and still every byte in its place."""
+    t = TcpTransport(connections_per_endpoint=1, window=16, readv_bytes=0)
     sends: list[int] = []
     real = tcp.send_vectored
     store_port = parse_endpoint(store.endpoint)[1]
@@ -236,6 +238,158 @@ def test_a_burst_of_reads_leaves_in_few_sends(
     assert outs == values
     assert sum(sends) == 64  # one frame per READ, no payloads
     assert len(sends) <= 1 + (64 - 16) // 8, sends  # 16 first, then bursts of 8
+
+
+def frames_sent(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[int]:
+    """From now on, the op of every request frame the client sends to ``store`` (payloads are skipped)."""
+    ops: list[int] = []
+    real = tcp.send_vectored
+    store_port = parse_endpoint(store.endpoint)[1]
+
+    def recording(sock: socket.socket, buffers: list[object], before: Callable[[], None] | None = None) -> None:
+        if sock.getsockname()[1] != store_port:  # the client's sends, not the store's answers
+            ops.extend(HEADER.unpack_from(b)[1] for b in buffers if isinstance(b, bytes))
+        real(sock, buffers, before)
+
+    monkeypatch.setattr(tcp, "send_vectored", recording)
+    return ops
+
+
+def put_values(t: TcpTransport, store: Store, sizes: list[int]) -> tuple[list[int], list[bytearray]]:
+    offsets = lay_out(sizes)
+    values = [random_bytes(n, i) for i, n in enumerate(sizes)]
+    puts = [
+        store.request(GrantOp.WRITE, b"k%d" % i, off, memoryview(v), checksum=checksum(v))
+        for i, (off, v) in enumerate(zip(offsets, values, strict=True))
+    ]
+    assert t.transfer(puts, Deadline(10.0)) == [ErrorCode.OK] * len(sizes)
+    return offsets, values
+
+
+def verified_reads(
+    store: Store, offsets: list[int], values: list[bytearray]
+) -> tuple[list[TransferRequest], list[bytearray]]:
+    """READs of what ``put_values`` wrote, each checked against its value's checksum; and their buffers."""
+    outs = [bytearray(len(v)) for v in values]
+    requests = [
+        store.request(GrantOp.READ, b"k%d" % i, off, memoryview(o), checksum=checksum(v))._replace(verify=True)
+        for i, (off, o, v) in enumerate(zip(offsets, outs, values, strict=True))
+    ]
+    return requests, outs
+
+
+def test_small_reads_go_several_to_a_readv_frame(
+    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small READs share READV frames (32 entries at most, 16 KiB of payload here); a part too large for
+    READV goes alone in a READ; every byte lands in its place and is verified."""
+    t = TcpTransport(connections_per_endpoint=1, readv_bytes=16 << 10)
+    try:
+        sizes = [4000] * 10 + [200_000] + [100] * 40
+        offsets, values = put_values(t, store, sizes)
+        ops = frames_sent(monkeypatch, store)
+        requests, outs = verified_reads(store, offsets, values)
+        assert t.transfer(requests, Deadline(10.0)) == [ErrorCode.OK] * len(sizes)
+    finally:
+        t.close()
+    assert outs == values
+    # 4 + 4 + 2 parts of 4000 bytes (16 KiB each at most), the large one alone, 32 + 8 of 100 bytes
+    assert ops == [Op.READV, Op.READV, Op.READV, Op.READ, Op.READV, Op.READV]
+
+
+def test_readv_entries_fail_alone(store: Store, threads_settle: None) -> None:
+    """In one READV frame, a forged grant, an expired one and a wrong checksum fail only their own entry."""
+    t = TcpTransport(connections_per_endpoint=1)
+    try:
+        offsets, values = put_values(t, store, [5000] * 8)
+        requests, outs = verified_reads(store, offsets, values)
+        requests[2] = requests[2]._replace(replica=requests[2].replica._replace(mac=b"\0" * 16))
+        requests[4] = requests[4]._replace(replica=store.replica(GrantOp.READ, b"k4", offsets[4], 5000, expiry_ms=1))
+        requests[6] = requests[6]._replace(checksum=checksum(values[6]) ^ 1)
+        codes = t.transfer(requests, Deadline(10.0))
+        assert store.server is not None
+        assert store.server.statistics().connections == 1  # one frame on one connection, still open
+    finally:
+        t.close()
+    expected = [ErrorCode.OK] * 8
+    expected[2], expected[4], expected[6] = ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.CHECKSUM_MISMATCH
+    assert codes == expected
+    for i in (0, 1, 3, 5, 6, 7):  # the bytes of #6 landed; only their checksum disagrees
+        assert outs[i] == values[i]
+    assert outs[2] == outs[4] == bytearray(5000)
+
+
+def test_a_store_without_readv_gets_plain_reads(
+    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that predates READV answers UNKNOWN_OP and closes: the client says so once, reads that
+    store with plain READs from then on, and the batch still succeeds."""
+
+    def old_store(self: DataPlaneServer, conn: object, reader: object, req_id: int, length: int) -> None:
+        raise _Close(ErrorCode.UNKNOWN_OP, "unknown op 8", req_id, Op.READV)
+
+    monkeypatch.setattr(DataPlaneServer, "_readv", old_store)
+    t = TcpTransport(connections_per_endpoint=1)
+    try:
+        sizes = [3000] * 20
+        offsets, values = put_values(t, store, sizes)
+        ops = frames_sent(monkeypatch, store)
+        for _ in range(2):
+            requests, outs = verified_reads(store, offsets, values)
+            assert t.transfer(requests, Deadline(10.0)) == [ErrorCode.OK] * len(sizes)
+            assert outs == values
+    finally:
+        t.close()
+    assert ops == [Op.READV] + [Op.READ] * 40
+    assert sum("does not know READV" in r.getMessage() for r in caplog.records) == 1
+
+
+class LyingReadvServer:
+    """Answers the first READV with ``codes`` and ``payload`` behind a header announcing ``length``."""
+
+    def __init__(self, codes: list[int], payload: bytes, length: int) -> None:
+        self.answer = (codes, payload, length)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            _magic, _op, _flags, _status, req_id, length = HEADER.unpack(conn.recv(28, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            codes, payload, announced = self.answer
+            table = struct.pack(f"<{len(codes)}i", *codes)
+            conn.sendall(HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, announced) + table + payload)
+            conn.recv(1)  # until the client hangs up
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join()
+
+
+@pytest.mark.parametrize(
+    ("codes", "payload", "length"),
+    [
+        ([0, 0], b"x" * 200, 8 + 150),  # fewer bytes than two OK entries of 100
+        ([0, int(ErrorCode.AUTH_FAILED)], b"x" * 200, 8 + 200),  # bytes for an entry that failed
+        ([0], b"", 4),  # a table shorter than the frame's entries
+    ],
+)
+def test_a_readv_answer_that_contradicts_itself_is_bad_frame(
+    threads_settle: None, codes: list[int], payload: bytes, length: int
+) -> None:
+    liar = LyingReadvServer(codes, payload, length)
+    t = TcpTransport(connections_per_endpoint=1, readv_bytes=1 << 20)
+    try:
+        s = Store(f"127.0.0.1:{liar.port}", 1, new_secret())
+        outs = [bytearray(100), bytearray(100)]
+        reqs = [s.request(GrantOp.READ, b"k%d" % i, 0, memoryview(o)) for i, o in enumerate(outs)]
+        assert t.transfer(reqs, Deadline(5.0)) == [ErrorCode.BAD_FRAME] * 2
+    finally:
+        t.close()
+        liar.close()
 
 
 @pytest.mark.parametrize("buffer", [65536, 0])
@@ -575,7 +729,7 @@ def test_close_ends_every_thread_and_later_submits_fail(store: Store, threads_se
 STORE_SCRIPT = """
 import json, sys
 from kvpool.common.grants import new_secret
-from kvpool.store.dataplane import DataPlaneServer
+from kvpool.store.dataplane import DataPlaneServer, _Close
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 seg = ShmSegment.create(sys.argv[1], "seg", 64 << 20)

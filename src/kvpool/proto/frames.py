@@ -16,6 +16,12 @@ Header (28 bytes)::
 Data-plane READ/WRITE payload: a fixed :data:`DESC` (the grant and the part of the object this request
 moves), the key bytes, then (WRITE only) ``part_length`` bytes of data. A READ response carries
 ``part_length`` bytes. A malformed frame closes the connection; the server keeps serving others.
+
+READV moves several small parts in one frame each way (a batch of small values costs a header, a
+syscall and a wake-up per frame, not per part). Payload: ``u16 count`` (1..:data:`MAX_READV_ENTRIES`),
+then ``count`` READ payloads (DESC + key) back to back. The answer's payload: ``count`` i32 codes, one per
+entry in order, then the bytes of the entries answered OK, in order. Every entry is checked on its own,
+exactly as a READ: one failed entry does not fail the others.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ HEADER_SIZE = HEADER.size
 DESC = struct.Struct(f"<QQQQQQQH{MAC_BYTES}s")
 MAX_KEY_BYTES = 512
 MAX_RPC_PAYLOAD = 256 * 1024 * 1024
+READV_COUNT = struct.Struct("<H")
+MAX_READV_ENTRIES = 32
+READV_MAX_PART = 128 * 1024
+"""Parts shorter than this may travel in READV frames. A longer part goes alone in a READ: the store
+sends that from the segment's file with sendfile, without copying it (decision 0009)."""
+MAX_READV_PAYLOAD = READV_COUNT.size + MAX_READV_ENTRIES * (DESC.size + MAX_KEY_BYTES)
+
+
+def readv_codes(count: int) -> struct.Struct:
+    """The struct of a READV answer's code table for ``count`` entries."""
+    return _READV_CODES[count]
+
+
+_READV_CODES = [struct.Struct(f"<{n}i") for n in range(MAX_READV_ENTRIES + 1)]
 
 
 class Op(IntEnum):
@@ -49,6 +69,9 @@ class Op(IntEnum):
     RECORD = 7
     """A same-node client wrote an object's bytes into the mapped segment itself: record it in the
     store's inventory. Payload: DESC + key (the WRITE grant; part = the whole object), no data."""
+    READV = 8
+    """Several READs in one frame (module docstring). A store that predates it answers UNKNOWN_OP and
+    closes; the client then sends that store plain READs."""
     # Master RPCs (the lean path), same messages as the gRPC service.
     GET_CLUSTER_INFO = 64
     BATCH_PUT_START = 65

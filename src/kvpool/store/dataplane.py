@@ -45,16 +45,29 @@ from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
-from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op, TransferDesc
+from kvpool.proto.frames import (
+    DESC,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_READV_ENTRIES,
+    MAX_READV_PAYLOAD,
+    READV_COUNT,
+    Op,
+    TransferDesc,
+    readv_codes,
+)
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
-from kvpool.store.tiering import serve_tier_read
+from kvpool.store.tiering import read_tier_part, serve_tier_read
 from kvpool.transfer.tcp import (
     FrameReader,
     Spinner,
     send_all,
+    send_vectored,
     sendfile_all,
     set_io_timeout,
     spin_window,
@@ -354,6 +367,8 @@ class DataPlaneServer:
                 self._hello(conn, reader, op, req_id, length)
             elif op == Op.READ:
                 self._read(conn, reader, req_id, length)
+            elif op == Op.READV:
+                self._readv(conn, reader, req_id, length)
             elif op == Op.WRITE:
                 if scratch is None:
                     scratch = memoryview(bytearray(_SCRATCH_BYTES))
@@ -440,6 +455,50 @@ class DataPlaneServer:
         conn.stats.bytes_read += desc.part_length
         if reader.spinner is not None:  # the client's next request comes once it has taken these bytes in
             reader.spinner.window = spin_window(self._spin_s, desc.part_length)
+
+    def _readv(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """Several READs in one frame (frames.py): every entry checked as a READ, one answer for all."""
+        descs = _readv_descs(reader.read_bytes(length) if length <= MAX_READV_PAYLOAD else None, req_id)
+        conn.stats.requests += len(descs) - 1
+        codes: list[int] = []
+        data: list[Any] = []
+        reserved = 0
+        try:
+            for desc in descs:
+                code, chunk = self._readv_entry(conn, desc)
+                codes.append(int(code))
+                if chunk is None:
+                    conn.stats.error(code)
+                    continue
+                data.append(chunk)
+                if isinstance(chunk, memoryview):
+                    reserved += len(chunk)
+            payload = sum(len(chunk) for chunk in data)
+            header = (
+                _take_held(conn)
+                + HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, 4 * len(descs) + payload)
+                + readv_codes(len(descs)).pack(*codes)
+            )
+            send_vectored(conn.sock, [header, *data])
+        finally:
+            for chunk in data:
+                if isinstance(chunk, memoryview):
+                    chunk.release()
+            self.limits.release(conn.client, reserved)
+        conn.stats.bytes_read += payload
+
+    def _readv_entry(self, conn: _Conn, desc: TransferDesc) -> tuple[ErrorCode, memoryview | bytes | None]:
+        """One READV entry: its bytes (a view of the segment, reserved in the client's in-flight budget;
+        or bytes read from the SSD tier), or None and the failure's code."""
+        tier = self._tiers.get(desc.grant.segment_id)
+        if tier is not None:
+            code, value = read_tier_part(tier[0], tier[1], desc, self._clock.wall_ms())
+            return code, value
+        code, seg = self._check_and_reserve(conn, desc)
+        if seg is None:
+            return code, None
+        start = desc.grant.offset + desc.part_offset
+        return ErrorCode.OK, seg.view[start : start + desc.part_length]
 
     def _send_part(self, conn: _Conn, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
         """The READ answer: header, then the segment's bytes [start, start + length).
@@ -586,6 +645,29 @@ def _take_held(conn: _Conn) -> bytes:
     data = b"".join(held)
     held.clear()
     return data
+
+
+def _readv_descs(raw: memoryview | None, req_id: int) -> list[TransferDesc]:
+    """The entries of a READV payload (``None``: longer than any valid one); a malformed one closes."""
+    if raw is None or len(raw) < READV_COUNT.size + DESC.size:
+        raise _Close(ErrorCode.BAD_FRAME, "READV payload of a bad length", req_id, Op.READV)
+    (count,) = READV_COUNT.unpack_from(raw)
+    if not 1 <= count <= MAX_READV_ENTRIES:
+        raise _Close(ErrorCode.BAD_FRAME, f"READV of {count} entries", req_id, Op.READV)
+    descs = []
+    pos = READV_COUNT.size
+    for _ in range(count):
+        if pos + DESC.size > len(raw):
+            raise _Close(ErrorCode.BAD_FRAME, "READV entry truncated", req_id, Op.READV)
+        fields = DESC.unpack_from(raw, pos)
+        end = pos + DESC.size + fields[_DESC_KEY_LEN]
+        if fields[_DESC_KEY_LEN] > MAX_KEY_BYTES or end > len(raw):
+            raise _Close(ErrorCode.BAD_FRAME, f"READV key of {fields[_DESC_KEY_LEN]} bytes", req_id, Op.READV)
+        descs.append(_desc(GrantOp.READ, fields, bytes(raw[pos + DESC.size : end])))
+        pos = end
+    if pos != len(raw):
+        raise _Close(ErrorCode.BAD_FRAME, f"READV payload has {len(raw) - pos} bytes left over", req_id, Op.READV)
+    return descs
 
 
 def _desc(op: GrantOp, fields: tuple[Any, ...], key: bytes) -> TransferDesc:

@@ -12,6 +12,7 @@ the data file to the socket with ``sendfile`` (no copy through Python).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -43,27 +44,47 @@ class Link(Protocol):
     def call(self, method: str, request: Any, timeout: float) -> Any: ...
 
 
+def _locate_tier_part(tier: SsdTier, secret: bytes, desc: TransferDesc, now_ms: int) -> int | ErrorCode:
+    """Where the part of an SSD-tier READ starts in the tier's file, or the code that refuses it."""
+    g = desc.grant
+    if not verify(secret, g):
+        return ErrorCode.AUTH_FAILED
+    if now_ms >= g.expiry_ms:
+        return ErrorCode.GRANT_EXPIRED
+    if desc.part_offset + desc.part_length > g.length or g.offset + g.length > tier.capacity:
+        return ErrorCode.OUT_OF_BOUNDS
+    start = tier.locate(g.offset, g.key, g.length)
+    return start if isinstance(start, ErrorCode) else start + desc.part_offset
+
+
 def serve_tier_read(
     sock: socket.socket, tier: SsdTier, secret: bytes, desc: TransferDesc, req_id: int, now_ms: int
 ) -> tuple[ErrorCode, int]:
     """Serve one READ of an SSD-tier replica: (code, bytes sent). On a code other than OK nothing was sent
     and the caller replies with it; an OSError mid-send means the connection must close."""
-    g = desc.grant
-    if not verify(secret, g):
-        return ErrorCode.AUTH_FAILED, 0
-    if now_ms >= g.expiry_ms:
-        return ErrorCode.GRANT_EXPIRED, 0
-    if desc.part_offset + desc.part_length > g.length or g.offset + g.length > tier.capacity:
-        return ErrorCode.OUT_OF_BOUNDS, 0
-    start = tier.locate(g.offset, g.key, g.length)
+    start = _locate_tier_part(tier, secret, desc, now_ms)
     if isinstance(start, ErrorCode):
         return start, 0
     # MSG_MORE: the header and the first bytes of the value leave in one segment.
     sock.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, desc.part_length), socket.MSG_MORE)
     # The header promised the bytes: a file that refuses sendfile or ends early closes the connection.
-    if sendfile_all(sock, tier.data_fd, start + desc.part_offset, desc.part_length) != desc.part_length:
-        raise OSError(f"the SSD tier's file refused sendfile for {g.key!r}")
+    if sendfile_all(sock, tier.data_fd, start, desc.part_length) != desc.part_length:
+        raise OSError(f"the SSD tier's file refused sendfile for {desc.grant.key!r}")
     return ErrorCode.OK, desc.part_length
+
+
+def read_tier_part(tier: SsdTier, secret: bytes, desc: TransferDesc, now_ms: int) -> tuple[ErrorCode, bytes | None]:
+    """The bytes of one READV entry on an SSD-tier replica (small by construction), or the refusal's code."""
+    start = _locate_tier_part(tier, secret, desc, now_ms)
+    if isinstance(start, ErrorCode):
+        return start, None
+    try:
+        data = os.pread(tier.data_fd, desc.part_length, start)
+    except OSError:
+        return ErrorCode.TRANSFER_FAILED, None
+    if len(data) != desc.part_length:  # the file is shorter than its index says
+        return ErrorCode.TRANSFER_FAILED, None
+    return ErrorCode.OK, data
 
 
 @dataclass

@@ -20,6 +20,9 @@ Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncak
   only leave data cold in socket buffers, which measured slower on loopback. READ requests are sent half a
   window at a time in one vectored ``sendmsg``: a batch of small reads costs a syscall (and a store
   wake-up) per burst, not per request.
+* **READV.** A run of small READ parts (each under ``READV_MAX_PART``) goes in one READV frame, answered
+  with one code per part and the parts' bytes, received with one ``recvmsg_into`` (decision 0011). A
+  store that does not know READV answers UNKNOWN_OP; that endpoint then gets plain READs.
 * **Threads.** Lane threads move the bytes, so ``submit`` returns at once and an engine thread is never
   blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
   thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
@@ -53,7 +56,18 @@ from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
-from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_KEY_BYTES, Op
+from kvpool.proto.frames import (
+    DESC,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_READV_ENTRIES,
+    READV_COUNT,
+    READV_MAX_PART,
+    Op,
+    readv_codes,
+)
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 
 logger = get_logger(__name__)
@@ -81,6 +95,11 @@ def spin_window(base_s: float, nbytes: int) -> float:
         return base_s
     return min(base_s + nbytes * 1e-9, 4 * base_s)
 
+
+# Request frames are at most this long (the window's bound on our send buffer relies on it); a READV
+# frame takes only as many entries as fit.
+_MAX_FRAME = 4096
+_READV_FRAME_BASE = HEADER_SIZE + READV_COUNT.size
 
 # Per-part cost in "bytes" when dealing parts to lanes: a request costs about as much as moving this much.
 _PART_OVERHEAD = 32 * 1024
@@ -244,6 +263,29 @@ class FrameReader:
             self._start += take
         recv_all_into(self.sock, dest[take:], self.before_recv)
 
+    def read_into_many(self, dests: list[memoryview]) -> None:
+        """Fill each of ``dests`` exactly, in order: read-ahead bytes first, then one scatter receive."""
+        i = 0
+        while i < len(dests) and self._end > self._start:
+            dest = dests[i]
+            take = min(self._end - self._start, len(dest))
+            dest[:take] = self._view[self._start : self._start + take]
+            self._start += take
+            if take < len(dest):
+                dests = [dest[take:], *dests[i + 1 :]]
+                i = 0
+                break
+            i += 1
+        recv_all_into_many(self.sock, dests[i:], self.before_recv)
+
+    def read_bytes(self, n: int) -> memoryview:
+        """The next ``n`` bytes, of any length: through the read-ahead buffer when they fit in it."""
+        if n <= len(self._buf):
+            return self.read(n)
+        out = memoryview(bytearray(n))
+        self.read_into(out)
+        return out
+
     def skip(self, n: int, scratch: memoryview) -> None:
         """Consume and discard ``n`` bytes (the payload of a rejected request) through ``scratch``."""
         take = min(self._end - self._start, n)
@@ -268,6 +310,25 @@ def recv_all_into(sock: socket.socket, view: memoryview, before: Callable[[], No
         if got == 0:
             raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
         view = view[got:]
+
+
+def recv_all_into_many(sock: socket.socket, views: list[memoryview], before: Callable[[], None] | None = None) -> None:
+    """:func:`recv_all_into` for several buffers in order, with one ``recvmsg_into`` where the bytes are
+    there (MSG_WAITALL), looping on short receives."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        if before is not None:
+            before()
+        got = sock.recvmsg_into(pending, 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
+        done = 0
+        while done < len(pending) and got >= len(pending[done]):
+            got -= len(pending[done])
+            done += 1
+        del pending[:done]
+        if got:
+            pending[0] = pending[0][got:]
 
 
 def send_all(
@@ -375,33 +436,38 @@ class _Part:
         self.reply = b""  # STORE_INFO's payload
         self.check = check  # READ with verify: the bytes are checked once the request's last part lands
 
-    def frame(self, req_id: int) -> bytes:
+    def desc_fields(self) -> tuple[int, int, int, int, int, int, int, int, bytes]:
+        """The values of this part's DESC (frames.DESC's layout)."""
         r = self.replica
-        if r is None:  # control op: a bare header
+        assert r is not None
+        return (
+            r.segment_id,
+            r.offset,
+            r.length,
+            r.expiry_ms,
+            checksum_value(self.checksum),
+            self.part_offset,
+            len(self.view),
+            len(self.key),
+            r.mac,
+        )
+
+    def frame(self, req_id: int) -> bytes:
+        if self.replica is None:  # control op: a bare header
             return HEADER.pack(MAGIC, self.op, 0, 0, req_id, 0)
         key = self.key
-        plen = len(self.view)
-        length = DESC.size + len(key) + (plen if self.op == Op.WRITE else 0)
-        return (
-            _REQUEST.pack(
-                MAGIC,
-                self.op,
-                0,
-                0,
-                req_id,
-                length,
-                r.segment_id,
-                r.offset,
-                r.length,
-                r.expiry_ms,
-                checksum_value(self.checksum),
-                self.part_offset,
-                plen,
-                len(key),
-                r.mac,
-            )
-            + key
-        )
+        length = DESC.size + len(key) + (len(self.view) if self.op == Op.WRITE else 0)
+        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, *self.desc_fields()) + key
+
+
+def _readv_frame(req_id: int, parts: list[_Part]) -> bytes:
+    """One READV frame asking for ``parts`` (frames.py)."""
+    entries = b"".join([DESC.pack(*part.desc_fields()) + part.key for part in parts])
+    return (
+        HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, READV_COUNT.size + len(entries))
+        + READV_COUNT.pack(len(parts))
+        + entries
+    )
 
 
 class _Solo:
@@ -643,7 +709,7 @@ class _Lane:
 
     def _run_job(self, job: _Job) -> None:
         batch = job.batch
-        retried = False
+        retried = fell_back = False
         while job.done < len(job.parts):
             if batch.cancelled or batch.deadline.expired():
                 job.fail_rest(ErrorCode.TIMEOUT)
@@ -660,6 +726,10 @@ class _Lane:
                 # so the unanswered parts are retried once on a fresh connection.
                 if code == ErrorCode.CONNECTION_FAILED and reused and not retried:
                     retried = True
+                    continue
+                # A store that predates READV closed on it: the rest goes again as plain READs.
+                if code == ErrorCode.UNKNOWN_OP and not self._ep.readv and not fell_back:
+                    fell_back = True
                     continue
                 if code not in (ErrorCode.TIMEOUT, ErrorCode.CONNECTION_FAILED):
                     logger.warning("tcp %s: %s (%s)", self._ep.name, code.name, exc)
@@ -721,12 +791,12 @@ class _Lane:
 
         Either bound alone rules out the deadlock of the module docstring: responses in flight fit in our
         receive buffer (so the store never blocks sending), and request frames in flight fit in our send
-        buffer (so we never block sending). A frame of at most 614 bytes takes at most 4 KiB of buffer.
+        buffer (so we never block sending): a request frame is at most ``_MAX_FRAME`` bytes.
         """
         rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._max_inflight = max(1, min(self._t.inflight_bytes, rcvbuf // 2))
-        self._window = max(1, min(self._t.window, sndbuf // 4096))
+        self._window = max(1, min(self._t.window, sndbuf // _MAX_FRAME))
 
     def _discard(self) -> None:
         with self._cond:
@@ -763,7 +833,8 @@ class _Lane:
         return sock
 
     def _pipeline(self, job: _Job) -> None:
-        """Send up to ``window`` requests ahead and read responses in order, until the job is answered."""
+        """Send up to ``window`` frames ahead and read responses in order, until the job is answered.
+        Small READ parts next to each other go several to a READV frame (when the store knows READV)."""
         sock = self._sock_or_raise()
         reader = self._reader
         assert reader is not None
@@ -771,7 +842,7 @@ class _Lane:
         parts = job.parts
         window = self._window
         max_bytes = self._max_inflight
-        inflight: deque[tuple[int, _Part]] = deque()
+        inflight: deque[tuple[int, list[_Part]]] = deque()  # (req_id, the parts its frame moves)
         inflight_bytes = 0
         next_send = job.done
         refill_at = window // 2
@@ -780,7 +851,7 @@ class _Lane:
                 part = parts[job.done]
                 self._req_id += 1
                 send_all(sock, part.frame(self._req_id), part.view if part.op == Op.WRITE else None, self._rearm)
-                self._answered(job, reader, self._req_id, part)
+                self._answered(job, reader, self._req_id, [part])
                 return
             while job.done < len(parts):
                 if job.batch.cancelled:
@@ -794,21 +865,25 @@ class _Lane:
                     while next_send < len(parts) and len(inflight) < window:
                         part = parts[next_send]
                         if inflight and (
-                            inflight[0][1].op != part.op  # one direction at a time (docstring)
+                            inflight[0][1][0].op != part.op  # one direction at a time (docstring)
                             or inflight_bytes + len(part.view) > max_bytes
                         ):
                             break
                         self._req_id += 1
-                        out.append(part.frame(self._req_id))
-                        if part.op == Op.WRITE:
-                            out.append(part.view)
-                        inflight.append((self._req_id, part))
-                        inflight_bytes += len(part.view)
-                        next_send += 1
+                        group = self._read_group(parts, next_send, max_bytes - inflight_bytes)
+                        if len(group) > 1:
+                            out.append(_readv_frame(self._req_id, group))
+                        else:
+                            out.append(part.frame(self._req_id))
+                            if part.op == Op.WRITE:
+                                out.append(part.view)
+                        inflight.append((self._req_id, group))
+                        inflight_bytes += sum(len(p.view) for p in group)
+                        next_send += len(group)
                     send_vectored(sock, out, self._rearm)
-                req_id, part = inflight.popleft()
-                inflight_bytes -= len(part.view)
-                self._answered(job, reader, req_id, part)
+                req_id, group = inflight.popleft()
+                inflight_bytes -= sum(len(p.view) for p in group)
+                self._answered(job, reader, req_id, group)
         except BlockingIOError:
             raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
         except KvPoolError as exc:
@@ -818,25 +893,72 @@ class _Lane:
                 raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
             raise _Broken(ErrorCode.CONNECTION_FAILED, str(exc)) from None
 
-    def _answered(self, job: _Job, reader: FrameReader, req_id: int, part: _Part) -> None:
-        """Read the answer to ``part`` (verified, for a READ that asked) into the job's codes."""
-        code = self._receive(reader, req_id, part)
-        if part.check is not None and code == ErrorCode.OK:
-            code = part.check.landed()
-        job.codes.append(code)
-        job.done += 1
+    def _read_group(self, parts: list[_Part], first: int, room: int) -> list[_Part]:
+        """The parts from ``first`` that one frame asks for: a run of small READs (at most
+        ``readv_bytes`` and ``room`` bytes together) when the store takes READV, else ``parts[first]``."""
+        part = parts[first]
+        if part.op != Op.READ or len(part.view) >= READV_MAX_PART or not self._ep.readv:
+            return [part]
+        room = min(room, self._t.readv_bytes)
+        group = [part]
+        nbytes = len(part.view)
+        frame_bytes = _READV_FRAME_BASE + DESC.size + len(part.key)
+        for i in range(first + 1, min(len(parts), first + MAX_READV_ENTRIES)):
+            part = parts[i]
+            nbytes += len(part.view)
+            frame_bytes += DESC.size + len(part.key)
+            if part.op != Op.READ or len(part.view) >= READV_MAX_PART or nbytes > room or frame_bytes > _MAX_FRAME:
+                break
+            group.append(part)
+        return group
 
-    def _receive(self, reader: FrameReader, req_id: int, part: _Part) -> ErrorCode:
-        magic, _op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
+    def _answered(self, job: _Job, reader: FrameReader, req_id: int, group: list[_Part]) -> None:
+        """Read the answer to the frame of ``group`` (verified, for READs that asked) into the job's codes."""
+        if len(group) == 1:
+            codes = [self._receive(reader, req_id, group[0])]
+        else:
+            codes = self._receive_readv(reader, req_id, group)
+        for part, code in zip(group, codes, strict=True):
+            if part.check is not None and code == ErrorCode.OK:
+                code = part.check.landed()
+            job.codes.append(code)
+        job.done += len(group)
+
+    def _reply_code(self, reader: FrameReader, req_id: int, op: Op) -> tuple[ErrorCode, int]:
+        """A reply's header for the frame ``req_id``: its code and payload length. Raises _Broken for a
+        reply after which the connection cannot go on."""
+        magic, reply_op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
         if magic != MAGIC:
             raise _Broken(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x} from {self._ep.name}")
         code = ErrorCode.OK if status == 0 else as_code(status)
-        if _op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
+        if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
             raise _Broken(code, f"store {self._ep.name} requires the cluster token")
         if code in _CLOSING_CODES:
+            if code == ErrorCode.UNKNOWN_OP and op == Op.READV:
+                self._ep.readv_refused()
             raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
         if rid != req_id:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
+        return code, length
+
+    def _receive_readv(self, reader: FrameReader, req_id: int, group: list[_Part]) -> list[ErrorCode]:
+        code, length = self._reply_code(reader, req_id, Op.READV)
+        if code != ErrorCode.OK:
+            if length:
+                raise _Broken(ErrorCode.BAD_FRAME, f"a {length}-byte payload in a failed READV reply")
+            return [code] * len(group)
+        table = readv_codes(len(group))
+        if length < table.size:
+            raise _Broken(ErrorCode.BAD_FRAME, f"READV of {len(group)} answered with {length} bytes")
+        codes = [ErrorCode.OK if c == 0 else as_code(c) for c in table.unpack(reader.read(table.size))]
+        dests = [part.view for part, c in zip(group, codes, strict=True) if c == ErrorCode.OK]
+        if length != table.size + sum(len(d) for d in dests):
+            raise _Broken(ErrorCode.BAD_FRAME, f"READV answered with {length} bytes, not what its codes say")
+        reader.read_into_many(dests)
+        return codes
+
+    def _receive(self, reader: FrameReader, req_id: int, part: _Part) -> ErrorCode:
+        code, length = self._reply_code(reader, req_id, part.op)
         if code == ErrorCode.OK and part.op == Op.READ:
             if length != len(part.view):
                 raise _Broken(ErrorCode.BAD_FRAME, f"READ answered with {length} bytes, {len(part.view)} asked")
@@ -864,6 +986,8 @@ class _Endpoint:
         self._down_until = 0.0
         self._rr = 0
         self._closed = False
+        self.readv = transport.readv_bytes > 0
+        """Whether small READs go several to a READV frame: until the store refuses READV (an old store)."""
 
     def lanes_for(self, n_parts: int) -> list[_Lane]:
         """The lanes a batch may use: all of them for as many parts as lanes; for fewer parts, idle lanes
@@ -921,6 +1045,11 @@ class _Endpoint:
             lane.close()
         return lanes
 
+    def readv_refused(self) -> None:
+        if self.readv:
+            self.readv = False
+            logger.warning("tcp %s: the store does not know READV (an older kvpool); sending plain READs", self.name)
+
     def check_cooldown(self) -> None:
         if time.monotonic() < self._down_until:
             raise _Broken(ErrorCode.CONNECTION_FAILED, f"{self.name} unreachable (reconnect cooldown)")
@@ -957,10 +1086,12 @@ class TcpTransport(Transport):
         inflight_bytes: int | None = None,
         token: bytes = b"",
         spin_us: int = 0,
+        readv_bytes: int = 512 << 10,
     ) -> None:
-        if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1:
+        if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1 or readv_bytes < 0:
             raise KvPoolError(
-                ErrorCode.INVALID_ARGUMENT, "connections_per_endpoint, stripe_bytes and window must be >= 1"
+                ErrorCode.INVALID_ARGUMENT,
+                "connections_per_endpoint, stripe_bytes and window must be >= 1, readv_bytes >= 0",
             )
         self.window = window
         # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
@@ -975,6 +1106,8 @@ class TcpTransport(Transport):
         """The cluster token, sent in a HELLO first on every new connection when set."""
         self.spin_s = spin_us / 1e6
         """A single small request polls this long for its answer before it blocks."""
+        self.readv_bytes = readv_bytes
+        """Payload bytes one READV frame asks for at most (0: one READ per part)."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False

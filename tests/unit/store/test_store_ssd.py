@@ -20,7 +20,7 @@ from kvpool.proto.frames import HEADER, TransferDesc
 from kvpool.store.inventory import Inventory, InventoryEntry
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import DELETE, FILE_MAGIC, PUT, SsdEntry, SsdScan, SsdTier, encode_record, parse_records
-from kvpool.store.tiering import TierWorker, serve_tier_read
+from kvpool.store.tiering import TierWorker, read_tier_part, serve_tier_read
 
 CAP = 1 << 20
 
@@ -376,3 +376,9 @@ def test_serve_tier_read_sends_the_granted_part_and_refuses_bad_grants(tier: Ssd
     finally:
         a.close()
         b.close()
+    # A READV entry on the tier: the same checks, the bytes in hand instead of sent.
+    assert read_tier_part(tier, secret, desc(), 1000) == (E.OK, data[1000:6000])
+    assert read_tier_part(tier, secret, desc(sign_with=b"x" * 32), 1000) == (E.AUTH_FAILED, None)
+    assert read_tier_part(tier, secret, desc(expiry=999), 1000) == (E.GRANT_EXPIRED, None)
+    assert read_tier_part(tier, secret, desc(part=(9000, 2000)), 1000) == (E.OUT_OF_BOUNDS, None)
+    assert read_tier_part(tier, secret, desc(key=b"other"), 1000) == (E.OBJECT_NOT_FOUND, None)
