@@ -1,8 +1,8 @@
 """Fuzzing the store's data-plane frame parser against a real DataPlaneServer (in-process, real sockets).
 
-Each example sends one connection's worth of frames - valid ones (HELLO, PING, STORE_INFO, READ, READV
-and WRITE under real grants), mutated ones (bit flips, edge-value fields, truncations, splices) and random bytes -
-then closes its side and drains the replies. After every example:
+Each example sends one connection's worth of frames - valid ones (HELLO, PING, STORE_INFO, READ, READV,
+WRITE and WRITEV under real grants), mutated ones (bit flips, edge-value fields, truncations, splices)
+and random bytes - then closes its side and drains the replies. After every example:
 
 * the server still serves (a fresh connection gets a PING answered),
 * ``statistics().connections`` returns to 0 (no connection or thread leaked),
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from kvpool.common.auth import TokenChecker
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
-from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_READV_ENTRIES, READV_COUNT, Op, TransferDesc
+from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_VECTOR_ENTRIES, VECTOR_COUNT, Op, TransferDesc
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits
@@ -110,7 +110,7 @@ def granted_part(draw: st.DrawFn, t: Target) -> bytes:
 
 @st.composite
 def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
-    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "readv", "write", "record"]))
+    kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "readv", "write", "writev", "record"]))
     if kind == "hello":
         return frame(Op.HELLO, t.token)
     if kind == "bad_hello":
@@ -120,8 +120,12 @@ def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
     if kind == "info":
         return frame(Op.STORE_INFO)
     if kind == "readv":  # READ grants, WRITE grants (refused) and expired ones, several to a frame
-        entries = draw(st.lists(granted_part(t), min_size=1, max_size=MAX_READV_ENTRIES))
-        return frame(Op.READV, READV_COUNT.pack(len(entries)) + b"".join(entries))
+        entries = draw(st.lists(granted_part(t), min_size=1, max_size=MAX_VECTOR_ENTRIES))
+        return frame(Op.READV, VECTOR_COUNT.pack(len(entries)) + b"".join(entries))
+    if kind == "writev":  # only the WRITE grants' ranges may change, whatever the mix
+        entries = draw(st.lists(granted_part(t), min_size=1, max_size=MAX_VECTOR_ENTRIES))
+        data = b"".join(draw(st.binary(min_size=n, max_size=n)) for n in (DESC.unpack_from(e)[6] for e in entries))
+        return frame(Op.WRITEV, VECTOR_COUNT.pack(len(entries)) + b"".join(entries) + data)
     desc = draw(granted_part(t))
     part_len = DESC.unpack_from(desc)[6]
     if kind == "read":

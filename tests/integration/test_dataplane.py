@@ -30,9 +30,9 @@ from kvpool.proto.frames import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
-    MAX_READV_ENTRIES,
-    MAX_READV_PAYLOAD,
-    READV_COUNT,
+    MAX_VECTOR_DESCS,
+    MAX_VECTOR_ENTRIES,
+    VECTOR_COUNT,
     Op,
     TransferDesc,
 )
@@ -181,7 +181,7 @@ class Raw:
 
     def readv(self, entries: list[tuple[Grant, int, int]]) -> tuple[int, list[int], bytes]:
         """One READV of (grant, part_offset, part_length) entries: (frame status, entry codes, data)."""
-        body = READV_COUNT.pack(len(entries)) + b"".join(TransferDesc(g, 0, o, n).pack() for g, o, n in entries)
+        body = VECTOR_COUNT.pack(len(entries)) + b"".join(TransferDesc(g, 0, o, n).pack() for g, o, n in entries)
         self.send(self.header(Op.READV, len(body)) + body)
         op, status, req_id, payload = self.response()
         assert (op, req_id) == (Op.READV, self.req_id)
@@ -469,10 +469,10 @@ def test_readv_checks_every_entry_on_its_own(store: Store, key_bytes: int) -> No
         forged = Grant(GrantOp.READ, store.segment.id, 0, 4096, now_ms() + 60_000, keys[0], b"\0" * 16)
         expired = store.grant(GrantOp.READ, 4096, 4096, keys[1], expiry_ms=now_ms() - 1)
         entries = [(good[0], 0, 4096), (forged, 0, 4096), (good[2], 100, 50), (expired, 0, 4096), (good[1], 0, 0)]
-        entries += [(good[1], 0, 4096)] * (MAX_READV_ENTRIES - len(entries))
+        entries += [(good[1], 0, 4096)] * (MAX_VECTOR_ENTRIES - len(entries))
         status, codes, got = c.readv(entries)
         assert status == ErrorCode.OK
-        tail = [ErrorCode.OK] * (MAX_READV_ENTRIES - 5)
+        tail = [ErrorCode.OK] * (MAX_VECTOR_ENTRIES - 5)
         assert codes == [ErrorCode.OK, ErrorCode.AUTH_FAILED, ErrorCode.OK, ErrorCode.GRANT_EXPIRED, 0, *tail]
         assert got == data[:4096] + data[8192 + 100 : 8192 + 150] + data[4096:8192] * len(tail)
         assert c.ping() == ErrorCode.OK  # refused entries leave the connection usable
@@ -480,8 +480,51 @@ def test_readv_checks_every_entry_on_its_own(store: Store, key_bytes: int) -> No
     assert stats.errors == {"AUTH_FAILED": 1, "GRANT_EXPIRED": 1}
 
 
+def test_writev_checks_every_entry_on_its_own(store: Store) -> None:
+    data = [os.urandom(4096), os.urandom(1000), os.urandom(2000), os.urandom(300)]
+    good = store.grant(GrantOp.WRITE, 0, 4096, b"a")
+    read_only = store.grant(GrantOp.READ, 8192, 1000, b"b")  # a READ grant cannot write
+    expired = store.grant(GrantOp.WRITE, 16384, 2000, b"c", expiry_ms=now_ms() - 1)
+    second = store.grant(GrantOp.WRITE, 24576, 1000, b"d")
+    entries = [(good, 0, data[0]), (read_only, 0, data[1]), (expired, 0, data[2]), (second, 700, data[3])]
+    body = VECTOR_COUNT.pack(len(entries)) + b"".join(TransferDesc(g, 5, o, len(d)).pack() for g, o, d in entries)
+    body += b"".join(d for _, _, d in entries)
+    with Raw(store.port) as c:
+        c.send(c.header(Op.WRITEV, len(body)) + body)
+        op, status, req_id, payload = c.response()
+        assert (op, status, req_id) == (Op.WRITEV, 0, c.req_id)
+        assert list(struct.unpack("<4i", payload)) == [0, ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, 0]
+        assert c.read(store.grant(GrantOp.READ, 0, 4096, b"a")) == (ErrorCode.OK, data[0])
+        assert c.ping() == ErrorCode.OK  # the refused entries' bytes were consumed: still in sync
+    seg = store.seg_bytes()
+    assert bytes(seg[24576 + 700 : 24576 + 1000]) == data[3]
+    store.expected[0:4096] = np.frombuffer(data[0], dtype=np.uint8)
+    store.expected[24576 + 700 : 24576 + 1000] = np.frombuffer(data[3], dtype=np.uint8)
+    assert np.array_equal(seg[16384 : 16384 + 2000], store.expected[16384 : 16384 + 2000])  # the expired one
+    assert sorted((e.key, e.length) for e in store.inventory.entries(store.segment.id)) == [(b"a", 4096)]
+    assert store.server.statistics().errors == {"AUTH_FAILED": 1, "GRANT_EXPIRED": 1}
+
+
+def test_malformed_writev_frames_close_the_connection(store: Store) -> None:
+    big = store.grant(GrantOp.WRITE, 0, 128 << 10, b"big")
+    small = store.grant(GrantOp.WRITE, 1 << 20, 100, b"small")
+    store.granted.clear()  # none of these may land
+    bodies = {
+        "a part of 128 KiB": readv_body([write_desc(big, 128 << 10)]) + bytes(128 << 10),
+        "fewer bytes than the parts": readv_body([write_desc(small, 100)]) + bytes(99),
+        "more bytes than the parts": readv_body([write_desc(small, 100)]) + bytes(101),
+        "descriptors past the payload": readv_body([write_desc(small, 100)])[:-2],
+    }
+    for name, body in bodies.items():
+        with Raw(store.port) as c:
+            c.send(c.header(Op.WRITEV, len(body)) + body)
+            assert c.response()[1] == ErrorCode.BAD_FRAME, name
+            assert c.is_closed_by_peer(), name
+    fresh_round_trip(store)
+
+
 def readv_body(entries: list[bytes], count: int | None = None) -> bytes:
-    return READV_COUNT.pack(len(entries) if count is None else count) + b"".join(entries)
+    return VECTOR_COUNT.pack(len(entries) if count is None else count) + b"".join(entries)
 
 
 def test_malformed_readv_frames_close_the_connection(store: Store) -> None:
@@ -490,7 +533,7 @@ def test_malformed_readv_frames_close_the_connection(store: Store) -> None:
     bodies = {
         "no entry": readv_body([], 0),
         "count 0 with an entry": readv_body([entry], 0),
-        "more entries than allowed": readv_body([entry] * (MAX_READV_ENTRIES + 1)),
+        "more entries than allowed": readv_body([entry] * (MAX_VECTOR_ENTRIES + 1)),
         "count above the entries": readv_body([entry], 2),
         "bytes left over": readv_body([entry]) + b"x",
         "truncated entry": readv_body([entry])[:-1],
@@ -503,7 +546,7 @@ def test_malformed_readv_frames_close_the_connection(store: Store) -> None:
             assert c.response()[1] == ErrorCode.BAD_FRAME, name
             assert c.is_closed_by_peer(), name
     with Raw(store.port) as c:  # longer than any valid READV: refused before it is read
-        c.send(c.header(Op.READV, MAX_READV_PAYLOAD + 1) + readv_body([entry]))
+        c.send(c.header(Op.READV, MAX_VECTOR_DESCS + 1) + readv_body([entry]))
         expect_closed_with(c, ErrorCode.BAD_FRAME)
     fresh_round_trip(store)
 

@@ -207,7 +207,7 @@ def test_a_burst_of_reads_leaves_in_few_sends(
     """64 small READs on one lane with a window of 16, one READ frame each (READV off, as towards an older
     store): refilled half a window at a time, one vectored send each (the store wakes once per burst),
     and still every byte in its place."""
-    t = TcpTransport(connections_per_endpoint=1, window=16, readv_bytes=0)
+    t = TcpTransport(connections_per_endpoint=1, window=16, vector_bytes=0)
     sends: list[int] = []
     real = tcp.send_vectored
     store_port = parse_endpoint(store.endpoint)[1]
@@ -283,7 +283,7 @@ def test_small_reads_go_several_to_a_readv_frame(
 ) -> None:
     """Small READs share READV frames (32 entries at most, 16 KiB of payload here); a part too large for
     READV goes alone in a READ; every byte lands in its place and is verified."""
-    t = TcpTransport(connections_per_endpoint=1, readv_bytes=16 << 10)
+    t = TcpTransport(connections_per_endpoint=1, vector_bytes=16 << 10)
     try:
         sizes = [4000] * 10 + [200_000] + [100] * 40
         offsets, values = put_values(t, store, sizes)
@@ -295,6 +295,25 @@ def test_small_reads_go_several_to_a_readv_frame(
     assert outs == values
     # 4 + 4 + 2 parts of 4000 bytes (16 KiB each at most), the large one alone, 32 + 8 of 100 bytes
     assert ops == [Op.READV, Op.READV, Op.READV, Op.READ, Op.READV, Op.READV]
+
+
+def test_small_writes_go_several_to_a_writev_frame(
+    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small WRITEs share WRITEV frames as READs share READV frames; every value lands and is recorded."""
+    t = TcpTransport(connections_per_endpoint=1, vector_bytes=16 << 10)
+    try:
+        ops = frames_sent(monkeypatch, store)
+        sizes = [4000] * 10 + [200_000] + [100] * 40
+        offsets, values = put_values(t, store, sizes)
+        requests, outs = verified_reads(store, offsets, values)
+        assert t.transfer(requests, Deadline(10.0)) == [ErrorCode.OK] * len(sizes)
+    finally:
+        t.close()
+    assert outs == values
+    assert ops[:6] == [Op.WRITEV, Op.WRITEV, Op.WRITEV, Op.WRITE, Op.WRITEV, Op.WRITEV]
+    assert store.inventory is not None
+    assert len(store.inventory) == len(sizes)
 
 
 def test_readv_entries_fail_alone(store: Store, threads_settle: None) -> None:
@@ -319,29 +338,43 @@ def test_readv_entries_fail_alone(store: Store, threads_settle: None) -> None:
     assert outs[2] == outs[4] == bytearray(5000)
 
 
-def test_a_store_without_readv_gets_plain_reads(
-    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("first", ["read", "write"])
+def test_a_store_without_vectored_ops_gets_plain_reads_and_writes(
+    store: Store,
+    threads_settle: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    first: str,
 ) -> None:
-    """A store that predates READV answers UNKNOWN_OP and closes: the client says so once, reads that
-    store with plain READs from then on, and the batch still succeeds."""
+    """A store that predates READV/WRITEV answers UNKNOWN_OP and closes: the client says so once, sends
+    that store plain READs and WRITEs from then on, and the batch that met the refusal still succeeds."""
 
-    def old_store(self: DataPlaneServer, conn: object, reader: object, req_id: int, length: int) -> None:
-        raise _Close(ErrorCode.UNKNOWN_OP, "unknown op 8", req_id, Op.READV)
+    def old_store(self: DataPlaneServer, conn: object, reader: object, req_id: int, length: int, *_: object) -> None:
+        raise _Close(ErrorCode.UNKNOWN_OP, "unknown op", req_id, Op.READV)
 
     monkeypatch.setattr(DataPlaneServer, "_readv", old_store)
+    monkeypatch.setattr(DataPlaneServer, "_writev", old_store)
+    sizes = [3000] * 20
+    plain = TcpTransport(connections_per_endpoint=1, vector_bytes=0)
     t = TcpTransport(connections_per_endpoint=1)
     try:
-        sizes = [3000] * 20
-        offsets, values = put_values(t, store, sizes)
+        offsets, values = put_values(plain, store, sizes)
         ops = frames_sent(monkeypatch, store)
+        if first == "write":
+            put_values(t, store, sizes)
         for _ in range(2):
             requests, outs = verified_reads(store, offsets, values)
             assert t.transfer(requests, Deadline(10.0)) == [ErrorCode.OK] * len(sizes)
             assert outs == values
+        put_values(t, store, sizes)
     finally:
+        plain.close()
         t.close()
-    assert ops == [Op.READV] + [Op.READ] * 40
-    assert sum("does not know READV" in r.getMessage() for r in caplog.records) == 1
+    if first == "write":
+        assert ops == [Op.WRITEV] + [Op.WRITE] * 20 + [Op.READ] * 40 + [Op.WRITE] * 20
+    else:
+        assert ops == [Op.READV] + [Op.READ] * 40 + [Op.WRITE] * 20
+    assert sum("does not know READV/WRITEV" in r.getMessage() for r in caplog.records) == 1
 
 
 class LyingReadvServer:
@@ -381,7 +414,7 @@ def test_a_readv_answer_that_contradicts_itself_is_bad_frame(
     threads_settle: None, codes: list[int], payload: bytes, length: int
 ) -> None:
     liar = LyingReadvServer(codes, payload, length)
-    t = TcpTransport(connections_per_endpoint=1, readv_bytes=1 << 20)
+    t = TcpTransport(connections_per_endpoint=1, vector_bytes=1 << 20)
     try:
         s = Store(f"127.0.0.1:{liar.port}", 1, new_secret())
         outs = [bytearray(100), bytearray(100)]

@@ -17,11 +17,13 @@ Data-plane READ/WRITE payload: a fixed :data:`DESC` (the grant and the part of t
 moves), the key bytes, then (WRITE only) ``part_length`` bytes of data. A READ response carries
 ``part_length`` bytes. A malformed frame closes the connection; the server keeps serving others.
 
-READV moves several small parts in one frame each way (a batch of small values costs a header, a
-syscall and a wake-up per frame, not per part). Payload: ``u16 count`` (1..:data:`MAX_READV_ENTRIES`),
-then ``count`` READ payloads (DESC + key) back to back. The answer's payload: ``count`` i32 codes, one per
-entry in order, then the bytes of the entries answered OK, in order. Every entry is checked on its own,
-exactly as a READ: one failed entry does not fail the others.
+READV and WRITEV move several small parts in one frame each way (a batch of small values costs a
+header, a syscall and a wake-up per frame, not per part). Payload: ``u16 count``
+(1..:data:`MAX_VECTOR_ENTRIES`), then ``count`` descriptors (DESC + key) back to back, then (WRITEV only)
+the bytes of every entry, in order. WRITEV entries are shorter than :data:`VECTOR_MAX_PART`. The
+answer's payload: ``count`` i32 codes, one per entry in order, then (READV only) the bytes of the
+entries answered OK, in order. Every entry is checked on its own, exactly as a READ or WRITE: one failed
+entry does not fail the others.
 """
 
 from __future__ import annotations
@@ -42,20 +44,21 @@ HEADER_SIZE = HEADER.size
 DESC = struct.Struct(f"<QQQQQQQH{MAC_BYTES}s")
 MAX_KEY_BYTES = 512
 MAX_RPC_PAYLOAD = 256 * 1024 * 1024
-READV_COUNT = struct.Struct("<H")
-MAX_READV_ENTRIES = 32
-READV_MAX_PART = 128 * 1024
-"""Parts shorter than this may travel in READV frames. A longer part goes alone in a READ: the store
-sends that from the segment's file with sendfile, without copying it (decision 0009)."""
-MAX_READV_PAYLOAD = READV_COUNT.size + MAX_READV_ENTRIES * (DESC.size + MAX_KEY_BYTES)
+VECTOR_COUNT = struct.Struct("<H")
+MAX_VECTOR_ENTRIES = 32
+VECTOR_MAX_PART = 128 * 1024
+"""Parts shorter than this may travel in READV/WRITEV frames. A longer part goes alone in a READ (the
+store sends that from the segment's file with sendfile, without copying it: decision 0009) or WRITE."""
+MAX_VECTOR_DESCS = VECTOR_COUNT.size + MAX_VECTOR_ENTRIES * (DESC.size + MAX_KEY_BYTES)
+"""The longest count + descriptors of a READV/WRITEV frame (all of a READV's payload)."""
 
 
-def readv_codes(count: int) -> struct.Struct:
-    """The struct of a READV answer's code table for ``count`` entries."""
-    return _READV_CODES[count]
+def vector_codes(count: int) -> struct.Struct:
+    """The struct of a READV/WRITEV answer's code table for ``count`` entries."""
+    return _VECTOR_CODES[count]
 
 
-_READV_CODES = [struct.Struct(f"<{n}i") for n in range(MAX_READV_ENTRIES + 1)]
+_VECTOR_CODES = [struct.Struct(f"<{n}i") for n in range(MAX_VECTOR_ENTRIES + 1)]
 
 
 class Op(IntEnum):
@@ -71,7 +74,9 @@ class Op(IntEnum):
     store's inventory. Payload: DESC + key (the WRITE grant; part = the whole object), no data."""
     READV = 8
     """Several READs in one frame (module docstring). A store that predates it answers UNKNOWN_OP and
-    closes; the client then sends that store plain READs."""
+    closes; the client then sends that store plain READs and WRITEs."""
+    WRITEV = 9
+    """Several WRITEs in one frame (module docstring)."""
     # Master RPCs (the lean path), same messages as the gRPC service.
     GET_CLUSTER_INFO = 64
     BATCH_PUT_START = 65

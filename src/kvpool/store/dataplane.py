@@ -51,12 +51,13 @@ from kvpool.proto.frames import (
     HEADER_SIZE,
     MAGIC,
     MAX_KEY_BYTES,
-    MAX_READV_ENTRIES,
-    MAX_READV_PAYLOAD,
-    READV_COUNT,
+    MAX_VECTOR_DESCS,
+    MAX_VECTOR_ENTRIES,
+    VECTOR_COUNT,
+    VECTOR_MAX_PART,
     Op,
     TransferDesc,
-    readv_codes,
+    vector_codes,
 )
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits, client_of
@@ -369,6 +370,10 @@ class DataPlaneServer:
                 self._read(conn, reader, req_id, length)
             elif op == Op.READV:
                 self._readv(conn, reader, req_id, length)
+            elif op == Op.WRITEV:
+                if scratch is None:
+                    scratch = memoryview(bytearray(_SCRATCH_BYTES))
+                self._writev(conn, reader, req_id, length, scratch)
             elif op == Op.WRITE:
                 if scratch is None:
                     scratch = memoryview(bytearray(_SCRATCH_BYTES))
@@ -458,7 +463,12 @@ class DataPlaneServer:
 
     def _readv(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
         """Several READs in one frame (frames.py): every entry checked as a READ, one answer for all."""
-        descs = _readv_descs(reader.read_bytes(length) if length <= MAX_READV_PAYLOAD else None, req_id)
+        if length > MAX_VECTOR_DESCS:
+            raise _Close(ErrorCode.BAD_FRAME, f"READV payload of {length} bytes", req_id, Op.READV)
+        request = _Payload(reader, length, Op.READV, req_id)
+        descs = request.descs(GrantOp.READ)
+        if request.left:
+            raise _Close(ErrorCode.BAD_FRAME, f"READV has {request.left} bytes left over", req_id, Op.READV)
         conn.stats.requests += len(descs) - 1
         codes: list[int] = []
         data: list[Any] = []
@@ -477,7 +487,7 @@ class DataPlaneServer:
             header = (
                 _take_held(conn)
                 + HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, 4 * len(descs) + payload)
-                + readv_codes(len(descs)).pack(*codes)
+                + vector_codes(len(descs)).pack(*codes)
             )
             send_vectored(conn.sock, [header, *data])
         finally:
@@ -499,6 +509,51 @@ class DataPlaneServer:
             return code, None
         start = desc.grant.offset + desc.part_offset
         return ErrorCode.OK, seg.view[start : start + desc.part_length]
+
+    def _writev(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, scratch: memoryview) -> None:
+        """Several WRITEs in one frame (frames.py): every entry checked as a WRITE; the bytes of a refused
+        one are received into ``scratch``, never the segment; one answer for all."""
+        request = _Payload(reader, length, Op.WRITEV, req_id)
+        descs = request.descs(GrantOp.WRITE)
+        sizes = [d.part_length for d in descs]
+        if max(sizes) >= VECTOR_MAX_PART or sum(sizes) != request.left:
+            raise _Close(
+                ErrorCode.BAD_FRAME,
+                f"WRITEV of parts {sizes} (each under {VECTOR_MAX_PART}) in {request.left} bytes",
+                req_id,
+                Op.WRITEV,
+            )
+        conn.stats.requests += len(descs) - 1
+        codes: list[int] = []
+        dests: list[memoryview] = []
+        landing: list[tuple[TransferDesc, memoryview]] = []
+        try:
+            for desc in descs:
+                code, seg = self._check_and_reserve(conn, desc)
+                codes.append(int(code))
+                if seg is None:
+                    conn.stats.error(code)
+                    dests.append(scratch[: desc.part_length])
+                    continue
+                g = desc.grant
+                self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
+                start = g.offset + desc.part_offset
+                dest = seg.view[start : start + desc.part_length]
+                landing.append((desc, dest))
+                dests.append(dest)
+            reader.read_into_many(dests)
+        finally:
+            for desc, dest in landing:
+                dest.release()
+                self.limits.release(conn.client, desc.part_length)
+        for desc, _ in landing:
+            g = desc.grant
+            self._inventory.record_part(
+                g.segment_id, g.offset, g.length, g.key, desc.checksum, desc.part_offset, desc.part_length
+            )
+            conn.stats.bytes_written += desc.part_length
+        table = vector_codes(len(descs))
+        _hold(conn, HEADER.pack(MAGIC, Op.WRITEV, 0, 0, req_id, table.size) + table.pack(*codes))
 
     def _send_part(self, conn: _Conn, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
         """The READ answer: header, then the segment's bytes [start, start + length).
@@ -608,10 +663,7 @@ class DataPlaneServer:
     @staticmethod
     def _reply(conn: _Conn, op: int, req_id: int, code: ErrorCode) -> None:
         """A bare reply (no payload): held, to leave with the next ones (``_flush``)."""
-        held = conn.held
-        held.append(HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
-        if len(held) >= _MAX_HELD_REPLIES:
-            DataPlaneServer._flush(conn)
+        _hold(conn, HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
 
     @staticmethod
     def _flush(conn: _Conn) -> None:
@@ -637,6 +689,14 @@ class DataPlaneServer:
         }
 
 
+def _hold(conn: _Conn, reply: bytes) -> None:
+    """Hold a small reply, to leave with the next ones; all leave at once when too many wait."""
+    held = conn.held
+    held.append(reply)
+    if len(held) >= _MAX_HELD_REPLIES:
+        conn.sock.sendall(_take_held(conn))
+
+
 def _take_held(conn: _Conn) -> bytes:
     """The held replies, to go out ahead of whatever is sent next (in request order); none held any more."""
     held = conn.held
@@ -647,27 +707,34 @@ def _take_held(conn: _Conn) -> bytes:
     return data
 
 
-def _readv_descs(raw: memoryview | None, req_id: int) -> list[TransferDesc]:
-    """The entries of a READV payload (``None``: longer than any valid one); a malformed one closes."""
-    if raw is None or len(raw) < READV_COUNT.size + DESC.size:
-        raise _Close(ErrorCode.BAD_FRAME, "READV payload of a bad length", req_id, Op.READV)
-    (count,) = READV_COUNT.unpack_from(raw)
-    if not 1 <= count <= MAX_READV_ENTRIES:
-        raise _Close(ErrorCode.BAD_FRAME, f"READV of {count} entries", req_id, Op.READV)
-    descs = []
-    pos = READV_COUNT.size
-    for _ in range(count):
-        if pos + DESC.size > len(raw):
-            raise _Close(ErrorCode.BAD_FRAME, "READV entry truncated", req_id, Op.READV)
-        fields = DESC.unpack_from(raw, pos)
-        end = pos + DESC.size + fields[_DESC_KEY_LEN]
-        if fields[_DESC_KEY_LEN] > MAX_KEY_BYTES or end > len(raw):
-            raise _Close(ErrorCode.BAD_FRAME, f"READV key of {fields[_DESC_KEY_LEN]} bytes", req_id, Op.READV)
-        descs.append(_desc(GrantOp.READ, fields, bytes(raw[pos + DESC.size : end])))
-        pos = end
-    if pos != len(raw):
-        raise _Close(ErrorCode.BAD_FRAME, f"READV payload has {len(raw) - pos} bytes left over", req_id, Op.READV)
-    return descs
+class _Payload:
+    """Reads a READV/WRITEV payload piecewise, never past the length its header announced."""
+
+    def __init__(self, reader: FrameReader, length: int, op: Op, req_id: int) -> None:
+        self._reader = reader
+        self.left = length
+        self._op = op
+        self._req_id = req_id
+
+    def _take(self, n: int) -> memoryview:
+        if n > self.left:
+            raise _Close(ErrorCode.BAD_FRAME, f"{self._op.name} payload truncated", self._req_id, self._op)
+        self.left -= n
+        return self._reader.read(n)
+
+    def descs(self, op: GrantOp) -> list[TransferDesc]:
+        """The count and the descriptors (a malformed one closes the connection)."""
+        (count,) = VECTOR_COUNT.unpack(self._take(VECTOR_COUNT.size))
+        if not 1 <= count <= MAX_VECTOR_ENTRIES:
+            raise _Close(ErrorCode.BAD_FRAME, f"{self._op.name} of {count} entries", self._req_id, self._op)
+        descs = []
+        for _ in range(count):
+            fields = DESC.unpack(self._take(DESC.size))
+            key_len = fields[_DESC_KEY_LEN]
+            if key_len > MAX_KEY_BYTES:
+                raise _Close(ErrorCode.BAD_FRAME, f"{self._op.name} key of {key_len} bytes", self._req_id, self._op)
+            descs.append(_desc(op, fields, bytes(self._take(key_len))))
+        return descs
 
 
 def _desc(op: GrantOp, fields: tuple[Any, ...], key: bytes) -> TransferDesc:

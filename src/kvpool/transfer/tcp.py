@@ -20,9 +20,10 @@ Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncak
   only leave data cold in socket buffers, which measured slower on loopback. READ requests are sent half a
   window at a time in one vectored ``sendmsg``: a batch of small reads costs a syscall (and a store
   wake-up) per burst, not per request.
-* **READV.** A run of small READ parts (each under ``READV_MAX_PART``) goes in one READV frame, answered
-  with one code per part and the parts' bytes, received with one ``recvmsg_into`` (decision 0011). A
-  store that does not know READV answers UNKNOWN_OP; that endpoint then gets plain READs.
+* **READV / WRITEV.** A run of small READ (WRITE) parts, each under ``VECTOR_MAX_PART``, goes in one
+  READV (WRITEV) frame, answered with one code per part (and a READV's bytes, received with one
+  ``recvmsg_into``): decision 0011. A store that does not know them answers UNKNOWN_OP; that endpoint
+  then gets plain READs and WRITEs.
 * **Threads.** Lane threads move the bytes, so ``submit`` returns at once and an engine thread is never
   blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
   thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
@@ -62,11 +63,11 @@ from kvpool.proto.frames import (
     HEADER_SIZE,
     MAGIC,
     MAX_KEY_BYTES,
-    MAX_READV_ENTRIES,
-    READV_COUNT,
-    READV_MAX_PART,
+    MAX_VECTOR_ENTRIES,
+    VECTOR_COUNT,
+    VECTOR_MAX_PART,
     Op,
-    readv_codes,
+    vector_codes,
 )
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 
@@ -99,7 +100,7 @@ def spin_window(base_s: float, nbytes: int) -> float:
 # Request frames are at most this long (the window's bound on our send buffer relies on it); a READV
 # frame takes only as many entries as fit.
 _MAX_FRAME = 4096
-_READV_FRAME_BASE = HEADER_SIZE + READV_COUNT.size
+_VECTOR_FRAME_BASE = HEADER_SIZE + VECTOR_COUNT.size
 
 # Per-part cost in "bytes" when dealing parts to lanes: a request costs about as much as moving this much.
 _PART_OVERHEAD = 32 * 1024
@@ -278,14 +279,6 @@ class FrameReader:
             i += 1
         recv_all_into_many(self.sock, dests[i:], self.before_recv)
 
-    def read_bytes(self, n: int) -> memoryview:
-        """The next ``n`` bytes, of any length: through the read-ahead buffer when they fit in it."""
-        if n <= len(self._buf):
-            return self.read(n)
-        out = memoryview(bytearray(n))
-        self.read_into(out)
-        return out
-
     def skip(self, n: int, scratch: memoryview) -> None:
         """Consume and discard ``n`` bytes (the payload of a rejected request) through ``scratch``."""
         take = min(self._end - self._start, n)
@@ -460,12 +453,20 @@ class _Part:
         return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, *self.desc_fields()) + key
 
 
-def _readv_frame(req_id: int, parts: list[_Part]) -> bytes:
-    """One READV frame asking for ``parts`` (frames.py)."""
+def _vector_frame(req_id: int, parts: list[_Part]) -> bytes:
+    """The header and descriptors of one READV/WRITEV frame for ``parts`` (a WRITEV's bytes follow)."""
     entries = b"".join([DESC.pack(*part.desc_fields()) + part.key for part in parts])
+    payload = sum(len(part.view) for part in parts) if parts[0].op == Op.WRITE else 0
     return (
-        HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, READV_COUNT.size + len(entries))
-        + READV_COUNT.pack(len(parts))
+        HEADER.pack(
+            MAGIC,
+            Op.WRITEV if parts[0].op == Op.WRITE else Op.READV,
+            0,
+            0,
+            req_id,
+            VECTOR_COUNT.size + len(entries) + payload,
+        )
+        + VECTOR_COUNT.pack(len(parts))
         + entries
     )
 
@@ -728,7 +729,7 @@ class _Lane:
                     retried = True
                     continue
                 # A store that predates READV closed on it: the rest goes again as plain READs.
-                if code == ErrorCode.UNKNOWN_OP and not self._ep.readv and not fell_back:
+                if code == ErrorCode.UNKNOWN_OP and not self._ep.vectored and not fell_back:
                     fell_back = True
                     continue
                 if code not in (ErrorCode.TIMEOUT, ErrorCode.CONNECTION_FAILED):
@@ -870,9 +871,11 @@ class _Lane:
                         ):
                             break
                         self._req_id += 1
-                        group = self._read_group(parts, next_send, max_bytes - inflight_bytes)
+                        group = self._group(parts, next_send, max_bytes - inflight_bytes)
                         if len(group) > 1:
-                            out.append(_readv_frame(self._req_id, group))
+                            out.append(_vector_frame(self._req_id, group))
+                            if part.op == Op.WRITE:
+                                out.extend(p.view for p in group)
                         else:
                             out.append(part.frame(self._req_id))
                             if part.op == Op.WRITE:
@@ -893,21 +896,23 @@ class _Lane:
                 raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
             raise _Broken(ErrorCode.CONNECTION_FAILED, str(exc)) from None
 
-    def _read_group(self, parts: list[_Part], first: int, room: int) -> list[_Part]:
-        """The parts from ``first`` that one frame asks for: a run of small READs (at most
-        ``readv_bytes`` and ``room`` bytes together) when the store takes READV, else ``parts[first]``."""
+    def _group(self, parts: list[_Part], first: int, room: int) -> list[_Part]:
+        """The parts from ``first`` that one frame moves: a run of small READs or small WRITEs (at most
+        ``vector_bytes`` and ``room`` bytes together) when the store takes READV/WRITEV, else
+        ``parts[first]`` alone."""
         part = parts[first]
-        if part.op != Op.READ or len(part.view) >= READV_MAX_PART or not self._ep.readv:
+        op = part.op
+        if op not in (Op.READ, Op.WRITE) or len(part.view) >= VECTOR_MAX_PART or not self._ep.vectored:
             return [part]
-        room = min(room, self._t.readv_bytes)
+        room = min(room, self._t.vector_bytes)
         group = [part]
         nbytes = len(part.view)
-        frame_bytes = _READV_FRAME_BASE + DESC.size + len(part.key)
-        for i in range(first + 1, min(len(parts), first + MAX_READV_ENTRIES)):
+        frame_bytes = _VECTOR_FRAME_BASE + DESC.size + len(part.key)
+        for i in range(first + 1, min(len(parts), first + MAX_VECTOR_ENTRIES)):
             part = parts[i]
             nbytes += len(part.view)
             frame_bytes += DESC.size + len(part.key)
-            if part.op != Op.READ or len(part.view) >= READV_MAX_PART or nbytes > room or frame_bytes > _MAX_FRAME:
+            if part.op != op or len(part.view) >= VECTOR_MAX_PART or nbytes > room or frame_bytes > _MAX_FRAME:
                 break
             group.append(part)
         return group
@@ -917,7 +922,7 @@ class _Lane:
         if len(group) == 1:
             codes = [self._receive(reader, req_id, group[0])]
         else:
-            codes = self._receive_readv(reader, req_id, group)
+            codes = self._receive_vector(reader, req_id, group)
         for part, code in zip(group, codes, strict=True):
             if part.check is not None and code == ErrorCode.OK:
                 code = part.check.landed()
@@ -934,26 +939,28 @@ class _Lane:
         if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
             raise _Broken(code, f"store {self._ep.name} requires the cluster token")
         if code in _CLOSING_CODES:
-            if code == ErrorCode.UNKNOWN_OP and op == Op.READV:
-                self._ep.readv_refused()
+            if code == ErrorCode.UNKNOWN_OP and op in (Op.READV, Op.WRITEV):
+                self._ep.vectored_refused()
             raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
         if rid != req_id:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
         return code, length
 
-    def _receive_readv(self, reader: FrameReader, req_id: int, group: list[_Part]) -> list[ErrorCode]:
-        code, length = self._reply_code(reader, req_id, Op.READV)
+    def _receive_vector(self, reader: FrameReader, req_id: int, group: list[_Part]) -> list[ErrorCode]:
+        """The answer to a READV/WRITEV: a code per entry, then (READV) the bytes of the OK entries."""
+        op = Op.READV if group[0].op == Op.READ else Op.WRITEV
+        code, length = self._reply_code(reader, req_id, op)
         if code != ErrorCode.OK:
             if length:
-                raise _Broken(ErrorCode.BAD_FRAME, f"a {length}-byte payload in a failed READV reply")
+                raise _Broken(ErrorCode.BAD_FRAME, f"a {length}-byte payload in a failed {op.name} reply")
             return [code] * len(group)
-        table = readv_codes(len(group))
+        table = vector_codes(len(group))
         if length < table.size:
-            raise _Broken(ErrorCode.BAD_FRAME, f"READV of {len(group)} answered with {length} bytes")
+            raise _Broken(ErrorCode.BAD_FRAME, f"{op.name} of {len(group)} answered with {length} bytes")
         codes = [ErrorCode.OK if c == 0 else as_code(c) for c in table.unpack(reader.read(table.size))]
-        dests = [part.view for part, c in zip(group, codes, strict=True) if c == ErrorCode.OK]
+        dests = [p.view for p, c in zip(group, codes, strict=True) if c == ErrorCode.OK] if op == Op.READV else []
         if length != table.size + sum(len(d) for d in dests):
-            raise _Broken(ErrorCode.BAD_FRAME, f"READV answered with {length} bytes, not what its codes say")
+            raise _Broken(ErrorCode.BAD_FRAME, f"{op.name} answered with {length} bytes, not what its codes say")
         reader.read_into_many(dests)
         return codes
 
@@ -986,8 +993,8 @@ class _Endpoint:
         self._down_until = 0.0
         self._rr = 0
         self._closed = False
-        self.readv = transport.readv_bytes > 0
-        """Whether small READs go several to a READV frame: until the store refuses READV (an old store)."""
+        self.vectored = transport.vector_bytes > 0
+        """Whether small READs and WRITEs go several to a frame: until the store refuses READV or WRITEV."""
 
     def lanes_for(self, n_parts: int) -> list[_Lane]:
         """The lanes a batch may use: all of them for as many parts as lanes; for fewer parts, idle lanes
@@ -1045,10 +1052,13 @@ class _Endpoint:
             lane.close()
         return lanes
 
-    def readv_refused(self) -> None:
-        if self.readv:
-            self.readv = False
-            logger.warning("tcp %s: the store does not know READV (an older kvpool); sending plain READs", self.name)
+    def vectored_refused(self) -> None:
+        if self.vectored:
+            self.vectored = False
+            logger.warning(
+                "tcp %s: the store does not know READV/WRITEV (an older kvpool); sending plain READs and WRITEs",
+                self.name,
+            )
 
     def check_cooldown(self) -> None:
         if time.monotonic() < self._down_until:
@@ -1086,12 +1096,12 @@ class TcpTransport(Transport):
         inflight_bytes: int | None = None,
         token: bytes = b"",
         spin_us: int = 0,
-        readv_bytes: int = 512 << 10,
+        vector_bytes: int = 512 << 10,
     ) -> None:
-        if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1 or readv_bytes < 0:
+        if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1 or vector_bytes < 0:
             raise KvPoolError(
                 ErrorCode.INVALID_ARGUMENT,
-                "connections_per_endpoint, stripe_bytes and window must be >= 1, readv_bytes >= 0",
+                "connections_per_endpoint, stripe_bytes and window must be >= 1, vector_bytes >= 0",
             )
         self.window = window
         # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
@@ -1106,8 +1116,8 @@ class TcpTransport(Transport):
         """The cluster token, sent in a HELLO first on every new connection when set."""
         self.spin_s = spin_us / 1e6
         """A single small request polls this long for its answer before it blocks."""
-        self.readv_bytes = readv_bytes
-        """Payload bytes one READV frame asks for at most (0: one READ per part)."""
+        self.vector_bytes = vector_bytes
+        """Payload bytes one READV/WRITEV frame moves at most (0: one READ or WRITE per part)."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False
