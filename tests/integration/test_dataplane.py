@@ -523,6 +523,15 @@ def test_malformed_writev_frames_close_the_connection(store: Store) -> None:
     fresh_round_trip(store)
 
 
+def test_an_empty_readv_is_answered_ok_and_an_empty_writev_is_malformed(store: Store) -> None:
+    with Raw(store.port) as c:
+        c.send(c.header(Op.READV, 2) + readv_body([]))
+        assert c.response() == (Op.READV, 0, c.req_id, b"")  # "yes, this store takes READV/WRITEV"
+        assert c.ping() == ErrorCode.OK
+        c.send(c.header(Op.WRITEV, 2) + readv_body([]))
+        expect_closed_with(c, ErrorCode.BAD_FRAME)
+
+
 def readv_body(entries: list[bytes], count: int | None = None) -> bytes:
     return VECTOR_COUNT.pack(len(entries) if count is None else count) + b"".join(entries)
 
@@ -531,7 +540,6 @@ def test_malformed_readv_frames_close_the_connection(store: Store) -> None:
     g = store.grant(GrantOp.READ, 0, 100, key=b"abc")
     entry = write_desc(g, 100)
     bodies = {
-        "no entry": readv_body([], 0),
         "count 0 with an entry": readv_body([entry], 0),
         "more entries than allowed": readv_body([entry] * (MAX_VECTOR_ENTRIES + 1)),
         "count above the entries": readv_body([entry], 2),

@@ -23,7 +23,8 @@ header, a syscall and a wake-up per frame, not per part). Payload: ``u16 count``
 the bytes of every entry, in order. WRITEV entries are shorter than :data:`VECTOR_MAX_PART`. The
 answer's payload: ``count`` i32 codes, one per entry in order, then (READV only) the bytes of the
 entries answered OK, in order. Every entry is checked on its own, exactly as a READ or WRITE: one failed
-entry does not fail the others.
+entry does not fail the others. An empty READV (count 0, nothing else) is a client's question whether
+the store takes these ops: answered OK with no payload, or UNKNOWN_OP by a store that predates them.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class Op(IntEnum):
     """A same-node client wrote an object's bytes into the mapped segment itself: record it in the
     store's inventory. Payload: DESC + key (the WRITE grant; part = the whole object), no data."""
     READV = 8
-    """Several READs in one frame (module docstring). A store that predates it answers UNKNOWN_OP and
-    closes; the client then sends that store plain READs and WRITEs."""
+    """Several READs in one frame (module docstring). A client asks each new connection with an empty
+    READV first: a store that predates it answers UNKNOWN_OP and closes, and gets plain READs and WRITEs."""
     WRITEV = 9
     """Several WRITEs in one frame (module docstring)."""
     # Master RPCs (the lean path), same messages as the gRPC service.

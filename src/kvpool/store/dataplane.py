@@ -22,7 +22,8 @@ must be a HELLO carrying it (compared in constant time, refusals counted per pla
 
 Only then are bytes moved, and only within [offset + part_offset, + part_length): the segment is never
 read or written outside the granted range. A rejected WRITE whose frame is well-formed still has its
-payload consumed (into a scratch buffer, never the segment) so the connection stays usable. A malformed
+payload consumed (into a scratch buffer, never the segment) so the connection stays usable; so do the
+refused entries of a WRITEV. READV and WRITEV entries are checked one by one, each as a READ or WRITE. A malformed
 frame (bad magic, lengths inconsistent or over the maxima) gets a BAD_FRAME reply and the connection is
 closed; an unknown op gets UNKNOWN_OP and is closed (its payload cannot be skipped safely). Other
 connections never notice.
@@ -149,7 +150,7 @@ class _Conn:
 
 
 class DataPlaneServer:
-    """Serves PING, STORE_INFO, READ and WRITE on one TCP port for the given segments."""
+    """Serves PING, STORE_INFO, READ(V), WRITE(V) and RECORD on one TCP port for the given segments."""
 
     def __init__(
         self,
@@ -466,9 +467,12 @@ class DataPlaneServer:
         if length > MAX_VECTOR_DESCS:
             raise _Close(ErrorCode.BAD_FRAME, f"READV payload of {length} bytes", req_id, Op.READV)
         request = _Payload(reader, length, Op.READV, req_id)
-        descs = request.descs(GrantOp.READ)
+        descs = request.descs(GrantOp.READ, probe=True)
         if request.left:
             raise _Close(ErrorCode.BAD_FRAME, f"READV has {request.left} bytes left over", req_id, Op.READV)
+        if not descs:  # a client asking whether this store takes READV/WRITEV
+            _hold(conn, HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, 0))
+            return
         conn.stats.requests += len(descs) - 1
         codes: list[int] = []
         data: list[Any] = []
@@ -694,7 +698,7 @@ def _hold(conn: _Conn, reply: bytes) -> None:
     held = conn.held
     held.append(reply)
     if len(held) >= _MAX_HELD_REPLIES:
-        conn.sock.sendall(_take_held(conn))
+        DataPlaneServer._flush(conn)
 
 
 def _take_held(conn: _Conn) -> bytes:
@@ -722,10 +726,11 @@ class _Payload:
         self.left -= n
         return self._reader.read(n)
 
-    def descs(self, op: GrantOp) -> list[TransferDesc]:
-        """The count and the descriptors (a malformed one closes the connection)."""
+    def descs(self, op: GrantOp, probe: bool = False) -> list[TransferDesc]:
+        """The count and the descriptors (a malformed one closes the connection); ``probe`` admits a
+        count of 0 (an empty READV: the client's question whether this store takes the vectored ops)."""
         (count,) = VECTOR_COUNT.unpack(self._take(VECTOR_COUNT.size))
-        if not 1 <= count <= MAX_VECTOR_ENTRIES:
+        if not (probe and count == 0) and not 1 <= count <= MAX_VECTOR_ENTRIES:
             raise _Close(ErrorCode.BAD_FRAME, f"{self._op.name} of {count} entries", self._req_id, self._op)
         descs = []
         for _ in range(count):

@@ -22,8 +22,8 @@ Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncak
   wake-up) per burst, not per request.
 * **READV / WRITEV.** A run of small READ (WRITE) parts, each under ``VECTOR_MAX_PART``, goes in one
   READV (WRITEV) frame, answered with one code per part (and a READV's bytes, received with one
-  ``recvmsg_into``): decision 0011. A store that does not know them answers UNKNOWN_OP; that endpoint
-  then gets plain READs and WRITEs.
+  ``recvmsg_into``): decision 0011. Each new connection asks first with an empty READV; a store that
+  does not know the ops answers UNKNOWN_OP, and that connection (reopened) carries plain READs and WRITEs.
 * **Threads.** Lane threads move the bytes, so ``submit`` returns at once and an engine thread is never
   blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
   thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
@@ -97,8 +97,8 @@ def spin_window(base_s: float, nbytes: int) -> float:
     return min(base_s + nbytes * 1e-9, 4 * base_s)
 
 
-# Request frames are at most this long (the window's bound on our send buffer relies on it); a READV
-# frame takes only as many entries as fit.
+# Request frames (a WRITE's or WRITEV's bytes apart) are at most this long: the window's bound on our send
+# buffer relies on it. A READV/WRITEV frame takes only as many entries as fit.
 _MAX_FRAME = 4096
 _VECTOR_FRAME_BASE = HEADER_SIZE + VECTOR_COUNT.size
 
@@ -596,6 +596,7 @@ class _Lane:
         self._req_id = 0
         self._spinner = Spinner(transport.spin_s) if transport.spin_s else None
         self._polls = False  # whether the running job polls for answers (single small requests only)
+        self._vectored = False  # whether this connection's store takes READV/WRITEV (probed at connect)
         self._closed = False
         self.load = 0  # bytes assigned and not yet moved (approximate; for dealing parts)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvpool-tcp-{endpoint.name}-{index}")
@@ -710,7 +711,7 @@ class _Lane:
 
     def _run_job(self, job: _Job) -> None:
         batch = job.batch
-        retried = fell_back = False
+        retried = False
         while job.done < len(job.parts):
             if batch.cancelled or batch.deadline.expired():
                 job.fail_rest(ErrorCode.TIMEOUT)
@@ -728,10 +729,6 @@ class _Lane:
                 if code == ErrorCode.CONNECTION_FAILED and reused and not retried:
                     retried = True
                     continue
-                # A store that predates READV closed on it: the rest goes again as plain READs.
-                if code == ErrorCode.UNKNOWN_OP and not self._ep.vectored and not fell_back:
-                    fell_back = True
-                    continue
                 if code not in (ErrorCode.TIMEOUT, ErrorCode.CONNECTION_FAILED):
                     logger.warning("tcp %s: %s (%s)", self._ep.name, code.name, exc)
                 job.fail_rest(code)
@@ -739,6 +736,14 @@ class _Lane:
     def _connect(self, deadline: Deadline) -> None:
         if self._sock is not None:
             return
+        self._open(deadline)
+        if self._t.vector_bytes and not self._probe_vectored(deadline):
+            self._discard()  # a store refuses an unknown op by closing the connection
+            self._open(deadline)
+        self._ep.connected()
+
+    def _open(self, deadline: Deadline) -> None:
+        """A fresh connection: connected, tuned, the token presented, the window sized."""
         self._ep.check_cooldown()
         remaining = deadline.remaining()
         timeout = self._t.connect_timeout if remaining is None else min(self._t.connect_timeout, remaining)
@@ -764,28 +769,54 @@ class _Lane:
                 raise _Broken(ErrorCode.TIMEOUT, "batch cancelled")
         self._reader = FrameReader(sock, before_recv=self._rearm)
         self._armed = None
+        self._vectored = False
         if self._t.token:
-            self._hello(sock, self._reader, deadline)
+            self._hello(deadline)
         self._bound_window(sock)
-        self._ep.connected()
 
-    def _hello(self, sock: socket.socket, reader: FrameReader, deadline: Deadline) -> None:
-        """Present the cluster token: the first frame of every connection when one is configured."""
-        token = self._t.token
+    def _exchange(self, frame: bytes, what: str, deadline: Deadline) -> tuple[int, int, int, int]:
+        """Send one handshake frame on the fresh connection and read its reply's (magic, op, status, length)."""
+        sock, reader = self._sock_or_raise(), self._reader
+        assert reader is not None
         try:
             self._arm(deadline.at)
-            sock.sendall(HEADER.pack(MAGIC, Op.HELLO, 0, 0, 0, len(token)) + token)
+            sock.sendall(frame)
             magic, op, _flags, status, _rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
         except BlockingIOError:
-            raise _Broken(ErrorCode.TIMEOUT, f"HELLO to {self._ep.name}: deadline passed") from None
+            raise _Broken(ErrorCode.TIMEOUT, f"{what} to {self._ep.name}: deadline passed") from None
         except KvPoolError as exc:
-            raise _Broken(exc.code, f"HELLO to {self._ep.name}: {exc.message}") from None
+            raise _Broken(exc.code, f"{what} to {self._ep.name}: {exc.message}") from None
         except OSError as exc:
-            raise _Broken(ErrorCode.CONNECTION_FAILED, f"HELLO to {self._ep.name}: {exc}") from None
+            raise _Broken(ErrorCode.CONNECTION_FAILED, f"{what} to {self._ep.name}: {exc}") from None
+        return magic, op, status, length
+
+    def _hello(self, deadline: Deadline) -> None:
+        """Present the cluster token: the first frame of every connection when one is configured."""
+        token = self._t.token
+        magic, op, status, length = self._exchange(
+            HEADER.pack(MAGIC, Op.HELLO, 0, 0, 0, len(token)) + token, "HELLO", deadline
+        )
         if magic != MAGIC or op != Op.HELLO or length:
             raise _Broken(ErrorCode.BAD_FRAME, f"bad HELLO reply from {self._ep.name}")
         if status != 0:
             raise _Broken(as_code(status), f"{self._ep.name} refused the cluster token")
+
+    def _probe_vectored(self, deadline: Deadline) -> bool:
+        """Whether the store takes READV/WRITEV: an empty READV is answered OK by one that does, and
+        UNKNOWN_OP (then the connection is closed) by one that predates them."""
+        frame = HEADER.pack(MAGIC, Op.READV, 0, 0, 0, VECTOR_COUNT.size) + VECTOR_COUNT.pack(0)
+        magic, op, status, length = self._exchange(frame, "READV probe", deadline)
+        if magic != MAGIC or length:
+            raise _Broken(ErrorCode.BAD_FRAME, f"bad READV probe reply from {self._ep.name}")
+        if status == ErrorCode.UNKNOWN_OP:
+            self._ep.no_vectored_ops()
+            return False
+        if status != 0:  # the store refused the connection itself (too many, no token): the store says why
+            raise _Broken(as_code(status), f"store {self._ep.name} refused the connection")
+        if op != Op.READV:
+            raise _Broken(ErrorCode.BAD_FRAME, f"bad READV probe reply from {self._ep.name}")
+        self._vectored = True
+        return True
 
     def _bound_window(self, sock: socket.socket) -> None:
         """Size the pipeline to this connection's real buffers (the kernel may grant less than asked).
@@ -835,7 +866,7 @@ class _Lane:
 
     def _pipeline(self, job: _Job) -> None:
         """Send up to ``window`` frames ahead and read responses in order, until the job is answered.
-        Small READ parts next to each other go several to a READV frame (when the store knows READV)."""
+        Small READ (WRITE) parts next to each other go several to a READV (WRITEV) frame."""
         sock = self._sock_or_raise()
         reader = self._reader
         assert reader is not None
@@ -902,7 +933,7 @@ class _Lane:
         ``parts[first]`` alone."""
         part = parts[first]
         op = part.op
-        if op not in (Op.READ, Op.WRITE) or len(part.view) >= VECTOR_MAX_PART or not self._ep.vectored:
+        if op not in (Op.READ, Op.WRITE) or len(part.view) >= VECTOR_MAX_PART or not self._vectored:
             return [part]
         room = min(room, self._t.vector_bytes)
         group = [part]
@@ -939,8 +970,6 @@ class _Lane:
         if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
             raise _Broken(code, f"store {self._ep.name} requires the cluster token")
         if code in _CLOSING_CODES:
-            if code == ErrorCode.UNKNOWN_OP and op in (Op.READV, Op.WRITEV):
-                self._ep.vectored_refused()
             raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
         if rid != req_id:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
@@ -993,8 +1022,7 @@ class _Endpoint:
         self._down_until = 0.0
         self._rr = 0
         self._closed = False
-        self.vectored = transport.vector_bytes > 0
-        """Whether small READs and WRITEs go several to a frame: until the store refuses READV or WRITEV."""
+        self._told_unvectored = False
 
     def lanes_for(self, n_parts: int) -> list[_Lane]:
         """The lanes a batch may use: all of them for as many parts as lanes; for fewer parts, idle lanes
@@ -1052,9 +1080,10 @@ class _Endpoint:
             lane.close()
         return lanes
 
-    def vectored_refused(self) -> None:
-        if self.vectored:
-            self.vectored = False
+    def no_vectored_ops(self) -> None:
+        """A connection found the store without READV/WRITEV: said once per endpoint."""
+        if not self._told_unvectored:
+            self._told_unvectored = True
             logger.warning(
                 "tcp %s: the store does not know READV/WRITEV (an older kvpool); sending plain READs and WRITEs",
                 self.name,
