@@ -399,13 +399,13 @@ def next_request(conn: socket.socket) -> tuple[int, int]:
         return op, req_id
 
 
-class LyingReadvServer:
-    """Answers the first READV with ``codes`` and ``payload`` behind a header announcing ``length``."""
+class OneConnectionStore:
+    """A fake store on a free port: ``answer`` serves the first connection (its first request read)."""
 
-    def __init__(self, codes: list[int], payload: bytes, length: int) -> None:
-        self.answer = (codes, payload, length)
+    def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -413,14 +413,29 @@ class LyingReadvServer:
         conn, _ = self.listener.accept()
         with conn:
             _op, req_id = next_request(conn)
-            codes, payload, announced = self.answer
-            table = struct.pack(f"<{len(codes)}i", *codes)
-            conn.sendall(HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, announced) + table + payload)
-            conn.recv(1)  # until the client hangs up
+            self.answer(conn, req_id)
+
+    def answer(self, conn: socket.socket, req_id: int) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
+        self.stop.set()
         self.listener.close()
         self.thread.join()
+
+
+class LyingReadvServer(OneConnectionStore):
+    """Answers the first READV with ``codes`` and ``payload`` behind a header announcing ``length``."""
+
+    def __init__(self, codes: list[int], payload: bytes, length: int) -> None:
+        self.lie = (codes, payload, length)
+        super().__init__()
+
+    def answer(self, conn: socket.socket, req_id: int) -> None:
+        codes, payload, announced = self.lie
+        table = struct.pack(f"<{len(codes)}i", *codes)
+        conn.sendall(HEADER.pack(MAGIC, Op.READV, 0, 0, req_id, announced) + table + payload)
+        conn.recv(1)  # until the client hangs up
 
 
 @pytest.mark.parametrize(
@@ -655,32 +670,17 @@ def test_a_server_that_never_answers_gives_timeout_by_the_deadline(
         silent.close()
 
 
-class TricklingServer:
+class TricklingServer(OneConnectionStore):
     """Answers a READ with an OK header, then one payload byte every 20 ms: a peer that makes progress
     slowly must not stretch the deadline (each blocking call is re-armed to the time left)."""
 
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
-        with conn:
-            _op, req_id = next_request(conn)
-            conn.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, 1 << 20))
-            while not self.stop.wait(0.02):
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self.stop.set()
-        self.listener.close()
-        self.thread.join()
+    def answer(self, conn: socket.socket, req_id: int) -> None:
+        conn.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, 1 << 20))
+        while not self.stop.wait(0.02):
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                return
 
 
 def test_a_trickling_peer_cannot_stretch_the_deadline(threads_settle: None) -> None:

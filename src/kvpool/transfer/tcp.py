@@ -315,13 +315,7 @@ def recv_all_into_many(sock: socket.socket, views: list[memoryview], before: Cal
         got = sock.recvmsg_into(pending, 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise KvPoolError(ErrorCode.CONNECTION_FAILED, "connection closed by peer")
-        done = 0
-        while done < len(pending) and got >= len(pending[done]):
-            got -= len(pending[done])
-            done += 1
-        del pending[:done]
-        if got:
-            pending[0] = pending[0][got:]
+        _consume(pending, got)
 
 
 def send_all(
@@ -341,14 +335,18 @@ def send_vectored(sock: socket.socket, buffers: list[Any], before: Callable[[], 
     while pending:
         if before is not None:
             before()
-        sent = sock.sendmsg(pending)
-        done = 0
-        while done < len(pending) and sent >= len(pending[done]):
-            sent -= len(pending[done])
-            done += 1
-        del pending[:done]
-        if sent:
-            pending[0] = pending[0][sent:]
+        _consume(pending, sock.sendmsg(pending))
+
+
+def _consume(pending: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of the buffers ``pending`` (what one vectored syscall moved)."""
+    done = 0
+    while done < len(pending) and n >= len(pending[done]):
+        n -= len(pending[done])
+        done += 1
+    del pending[:done]
+    if n:
+        pending[0] = pending[0][n:]
 
 
 _SENDFILE_REFUSED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
