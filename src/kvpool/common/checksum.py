@@ -1,6 +1,7 @@
 """Object checksums: xxh3-64 of the whole value (fast enough to verify on every read).
 
-xxhash releases the GIL while it hashes, so a checksum computed on a transport's lane thread runs in
+xxhash releases the GIL while it hashes a buffer of more than 64 KiB (python-xxhash's threshold; a
+smaller one takes a few microseconds), so a large checksum computed on a transport's lane thread runs in
 parallel with the other lanes' socket copies; computed right before the bytes are sent (or right after
 they land) it also reads them from cache instead of memory.
 """
