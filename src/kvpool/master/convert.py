@@ -39,38 +39,30 @@ def put_options(cfg: pb.PutConfig) -> st.PutOptions:
     )
 
 
-def _replica_fields(r: st.ReplicaGrant) -> dict[str, Any]:
-    return {
-        "segment_id": r.segment_id,
-        "node": r.node,
-        "tcp_endpoint": r.tcp_endpoint,
-        "shm_path": r.shm_path,
-        "offset": r.offset,
-        "length": r.length,
-        "expiry_ms": r.expiry_ms,
-        "mac": r.mac,
-        "tier": r.tier,
-    }
+def _set_replica(d: Any, r: st.ReplicaGrant) -> None:
+    """Copy a grant into a ReplicaDescriptor, field by field: ~20 % cheaper per key than building the
+    message from keyword arguments (a dict per replica)."""
+    d.segment_id = r.segment_id
+    d.node = r.node
+    d.tcp_endpoint = r.tcp_endpoint
+    d.shm_path = r.shm_path
+    d.offset = r.offset
+    d.length = r.length
+    d.expiry_ms = r.expiry_ms
+    d.mac = r.mac
+    d.tier = r.tier
 
 
 def replica(r: st.ReplicaGrant) -> pb.ReplicaDescriptor:
-    return pb.ReplicaDescriptor(**_replica_fields(r))
+    d = pb.ReplicaDescriptor()
+    _set_replica(d, r)
+    return d
 
 
 def fill_replicas(out: Any, replicas: Sequence[st.ReplicaGrant]) -> None:
-    """Append replica descriptors in place (``repeated.add``: no intermediate message to copy). Fields
-    are set one by one: ~20 % cheaper per key than ``add(**fields)``, which builds a dict for each."""
+    """Append replica descriptors in place (``repeated.add``: no intermediate message to copy)."""
     for r in replicas:
-        d = out.add()
-        d.segment_id = r.segment_id
-        d.node = r.node
-        d.tcp_endpoint = r.tcp_endpoint
-        d.shm_path = r.shm_path
-        d.offset = r.offset
-        d.length = r.length
-        d.expiry_ms = r.expiry_ms
-        d.mac = r.mac
-        d.tier = r.tier
+        _set_replica(out.add(), r)
 
 
 def fill_put_start_results(out: Any, results: Sequence[st.PutStartResult]) -> None:

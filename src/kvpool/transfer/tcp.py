@@ -872,7 +872,7 @@ class _Lane:
         parts = job.parts
         window = self._window
         max_bytes = self._max_inflight
-        inflight: deque[tuple[int, list[_Part]]] = deque()  # (req_id, the parts its frame moves)
+        inflight: deque[tuple[int, list[_Part], int]] = deque()  # (req_id, the parts its frame moves, bytes)
         inflight_bytes = 0
         next_send = job.done
         refill_at = window // 2
@@ -909,12 +909,13 @@ class _Lane:
                             out.append(part.frame(self._req_id))
                             if part.op == Op.WRITE:
                                 out.append(part.view)
-                        inflight.append((self._req_id, group))
-                        inflight_bytes += sum(len(p.view) for p in group)
+                        nbytes = sum(len(p.view) for p in group)
+                        inflight.append((self._req_id, group, nbytes))
+                        inflight_bytes += nbytes
                         next_send += len(group)
                     send_vectored(sock, out, self._rearm)
-                req_id, group = inflight.popleft()
-                inflight_bytes -= sum(len(p.view) for p in group)
+                req_id, group, nbytes = inflight.popleft()
+                inflight_bytes -= nbytes
                 self._answered(job, reader, req_id, group)
         except BlockingIOError:
             raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
