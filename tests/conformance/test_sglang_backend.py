@@ -182,6 +182,13 @@ def test_the_factory_builds_a_real_hicache_storage(sgl: SimpleNamespace, backend
     assert backend.namespace.prefix == "tp1_org-model-a_"
 
 
+def test_client_tuning_comes_from_the_extra_config(backends: Backends) -> None:
+    backend = backends(connections_per_store="2", lease_cache_entries=7, lease_renewal="false", use_shm="no")
+    cfg = backend.pool.config
+    assert (cfg.connections_per_store, cfg.lease_cache_entries, cfg.lease_renewal, cfg.use_shm) == (2, 7, False, False)
+    assert backends().pool.config.lease_renewal is True
+
+
 # ----------------------------------------------------------------------------------------- zero copy
 def test_zero_copy_round_trip_through_set_exists_get_v1(sgl: SimpleNamespace, backends: Backends) -> None:
     writer, reader = backends(), backends()

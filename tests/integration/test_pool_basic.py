@@ -13,7 +13,7 @@ import pytest
 from kvpool.common.errors import ErrorCode
 from kvpool.proto import frames
 from kvpool.tools.local_cluster import LocalCluster
-from tests.support.cluster import client, wait_for
+from tests.support.cluster import FAST_MASTER, client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -190,6 +190,31 @@ def test_a_read_under_a_live_lease_skips_the_master(cluster: LocalCluster) -> No
         # this client's own removal forgets the lease at once
         assert pool.remove("leased", force=True) == 0
         assert pool.get("leased") is None
+
+
+def test_a_hot_object_keeps_its_cached_lease_past_the_lease_ttl(make_cluster: Any) -> None:
+    """A key read again and again renews its lease in the background: no read after the first asks the
+    master, and the renewals reach the master as leased reads (its LRU sees the object). Without renewal
+    the entry ends with its lease and a read asks the master again."""
+    cluster = make_cluster(stores=1, store_size="16MiB", master_args=FAST_MASTER + ("--lease-ttl-s", "4"))
+    value = os.urandom(70_000)
+    with client(cluster.master) as renewing, client(cluster.master, lease_renewal=False) as plain:
+        assert renewing.put("hot", value) == 0
+        hits_before = renewing.stats().hits
+        reads = 0
+        end = time.monotonic() + 4.5  # longer than a lease: an entry without renewal ends within 3 s
+        while time.monotonic() < end:
+            assert renewing.get("hot") == value
+            assert plain.get("hot") == value
+            reads += 1
+            time.sleep(0.02)  # a read every 20 ms: a hot object, not a busy loop
+        hot, cold = renewing.metrics(), plain.metrics()
+        assert hot["lease_cache_hits"] == reads - 1
+        assert hot["lease_renewals"] >= 1
+        assert cold["lease_renewals"] == 0
+        assert cold["lease_cache_hits"] <= reads - 2  # its entry ended at least once
+        master_reads = hot["lease_renewals"] + (reads - hot["lease_cache_hits"]) + (reads - cold["lease_cache_hits"])
+        assert renewing.stats().hits - hits_before == master_reads
 
 
 def test_a_cached_lease_on_a_reused_range_never_returns_the_new_bytes(make_cluster: Any) -> None:

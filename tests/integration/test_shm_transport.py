@@ -38,7 +38,8 @@ def test_other_node_segments_fall_back_to_tcp(make_cluster: Callable[..., LocalC
     with client(cluster.master, use_shm=True) as pool:
         assert pool.put("far", b"x" * 5000) == 0
         assert pool.get("far") == b"x" * 5000
-        assert _store_bytes(cluster) >= 10_000  # written and read over TCP
+        # written and read over TCP (the store counts a READ's bytes just after sending them)
+        wait_for(lambda: _store_bytes(cluster) >= 10_000, 5, "the store to count 10,000 bytes moved")
 
 
 def _store_bytes(cluster: LocalCluster) -> int:

@@ -30,6 +30,12 @@ class ClientConfig:
         "Objects whose read lease this client remembers: reading one again while its lease holds skips "
         "the master (one data round trip). 0 turns it off.",
     )
+    lease_renewal: bool = option(
+        True,
+        "Renew in the background the lease of a cached object read again in the last third of its lease "
+        "(one batched master call for the keys coming due together), so that a hot object stays one round "
+        "trip and the master sees it as recently used.",
+    )
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
     use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
     breaker_backoff_s: float = option(

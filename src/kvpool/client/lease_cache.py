@@ -1,4 +1,5 @@
-"""The replica descriptors of objects this client holds a live read lease on.
+"""The replica descriptors of objects this client holds a live read lease on, and the renewal of the
+leases of the ones it keeps reading.
 
 A read lease is the master's promise that, until it ends, the object is not evicted, not removed
 (unless forced) and not moved off its segment (a drain frees the source only after the leases granted
@@ -8,33 +9,58 @@ prompt, re-read by every request that shares it - can skip the master and make t
 trip. An entry is used only until ``margin_ms`` before its lease (or grant) ends, so that the read
 completes under the lease; the read still checks the checksum and the lease expiry as any other.
 
-What this gives up, and why it is safe: reads served here do not refresh the master's last-access time
-(the lease grant did, at most one lease ago) - which is also why objects held only on an SSD tier are
-never cached: the master counts their reads to promote them - and an object another client *force*-removes may still be
-read from a live entry until the lease ends - the same race a read that fetched its descriptors just
-before the removal has, stretched to one lease. A cached read that fails in any way (the range was
-reused: checksum mismatch; the store restarted: segment not found) drops the entry and asks the master.
+**Renewal.** An entry read again in the last third of its life is renewed in the background
+(:class:`LeaseRenewer`: one batched get-replicas call for all the keys that came due within
+``linger_s``), while the reads go on using the entry. Without it every hot object fell out of the cache
+at the same moment once per lease, and each of its next reads paid the master round trip again (a
+single 64 KiB get loop lost half its rate for a second every nine). The renewal is a leased read at the
+master, so it also refreshes the object's last access there: a hot object read only from this cache is
+not evicted as cold. An object read once is not renewed; its entry simply ends with its lease.
+
+What this gives up, and why it is safe: reads served here are not counted one by one at the master - which
+is also why objects held only on an SSD tier are never cached: the master counts their reads to promote
+them - and an object another client *force*-removes may still be read from a live entry until the lease
+ends - the same race a read that fetched its descriptors just before the removal has, stretched to one
+lease. A cached read that fails in any way (the range was reused: checksum mismatch; the store restarted:
+segment not found) drops the entry and asks the master.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpool.common.clock import Clock
+from kvpool.common.log import get_logger
+
+logger = get_logger(__name__)
+
+# An entry read after this fraction of its usable life asks for a renewal: the remaining third (~3 s of a
+# 10 s lease) leaves the renewal seconds to complete before the entry would end.
+RENEW_AFTER = 2 / 3
 
 
 class LeaseCache:
     """A bounded, thread-safe map key -> resolved master answer (code, size, checksum, lease expiry,
-    replicas), least recently used out first."""
+    replicas), least recently used out first. ``on_renewal_due(key)`` (if given) is called, once per
+    entry, when an entry is read in the last third of its life."""
 
-    def __init__(self, max_entries: int, clock: Clock, margin_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        max_entries: int,
+        clock: Clock,
+        margin_ms: int = 1000,
+        on_renewal_due: Callable[[str], None] | None = None,
+    ) -> None:
         self._max = max_entries
         self._clock = clock
         self._margin_ms = margin_ms
-        self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()  # key -> (usable until, result)
+        self._on_renewal_due = on_renewal_due
+        # key -> (usable until, renewal due at, result); both times in wall ms
+        self._entries: OrderedDict[str, tuple[int, int, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -46,26 +72,37 @@ class LeaseCache:
 
     def get(self, key: str) -> Any | None:
         """The cached result, if its lease still has ``margin_ms`` to run."""
+        now = self._clock.wall_ms()
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            if entry[0] <= self._clock.wall_ms():
+            until, renew_at, result = entry
+            if until <= now:
                 del self._entries[key]
                 return None
             self._entries.move_to_end(key)
-            return entry[1]
+            due = renew_at <= now
+            if due:  # asked once: the renewal's put() sets a new due time
+                self._entries[key] = (until, until, result)
+        if due and self._on_renewal_due is not None:
+            self._on_renewal_due(key)
+        return result
 
     def put(self, key: str, result: Any) -> None:
-        """Remember a readable result (code OK, with replicas) of a leased lookup. An object with no DRAM
-        replica is not kept: the master counts its reads to decide when to promote it from SSD."""
-        if not self._max or not any(d.tier == 0 for d in result.replicas):
+        """Remember a readable result (code OK, with replicas) of a leased lookup, replacing any earlier
+        one. An object with no DRAM replica is not kept (and an earlier entry is dropped): the master
+        counts its reads to decide when to promote it from SSD."""
+        if not self._max:
             return
-        until = min(result.lease_expiry_ms, min(d.expiry_ms for d in result.replicas)) - self._margin_ms
-        if until <= self._clock.wall_ms():
+        now = self._clock.wall_ms()
+        until = min(result.lease_expiry_ms, min((d.expiry_ms for d in result.replicas), default=0)) - self._margin_ms
+        if until <= now or not any(d.tier == 0 for d in result.replicas):
+            self.drop([key])
             return
+        renew_at = now + int((until - now) * RENEW_AFTER) if self._on_renewal_due is not None else until
         with self._lock:
-            self._entries[key] = (until, result)
+            self._entries[key] = (until, renew_at, result)
             self._entries.move_to_end(key)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
@@ -78,3 +115,59 @@ class LeaseCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+class LeaseRenewer:
+    """A background thread that renews leases in batches: keys come in one at a time (from reads, through
+    ``request``); the thread waits ``linger_s`` after the first so that the keys coming due together go in
+    one call of ``renew(keys)`` (at most ``max_batch`` keys a call). Started on the first request."""
+
+    def __init__(self, renew: Callable[[list[str]], None], linger_s: float = 0.02, max_batch: int = 1024) -> None:
+        self._renew = renew
+        self._linger_s = linger_s
+        self._max_batch = max_batch
+        self._keys: dict[str, None] = {}  # insertion-ordered set: a key asked twice is renewed once
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def request(self, key: str) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._keys[key] = None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-lease-renewer")
+                self._thread.start()
+            if len(self._keys) == 1:  # the thread waits for a first key; later ones join its batch
+                self._cond.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (a renewal in progress finishes first, within its deadline)."""
+        with self._cond:
+            self._closed = True
+            self._keys.clear()
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._keys and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                end = time.monotonic() + self._linger_s  # collect the keys coming due together
+                while not self._closed and (left := end - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                if self._closed:
+                    return
+                keys = list(self._keys)[: self._max_batch]
+                for key in keys:
+                    del self._keys[key]
+            try:
+                self._renew(keys)
+            except Exception:  # a renewal is an optimisation: a failure leaves the entries to end
+                logger.exception("lease renewal of %d keys failed", len(keys))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
 from kvpool.client.config import ClientConfig
-from kvpool.client.lease_cache import LeaseCache
+from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
 from kvpool.common import envs
 from kvpool.common.checksum import LazyChecksum
@@ -91,6 +91,7 @@ class _Counters:
         "checksum_mismatches",
         "lease_expired",
         "lease_cache_hits",
+        "lease_renewals",
         "lookups",
         "lookup_hits",
         "degraded_calls",
@@ -139,7 +140,10 @@ class PoolClient:
         )
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()
-        self._leases = LeaseCache(cfg.lease_cache_entries, clock)
+        self._renewer = LeaseRenewer(self._renew_leases) if cfg.lease_renewal and cfg.lease_cache_entries else None
+        self._leases = LeaseCache(
+            cfg.lease_cache_entries, clock, on_renewal_due=self._renewer.request if self._renewer else None
+        )
         self._closed = False
 
     @classmethod
@@ -377,6 +381,14 @@ class PoolClient:
                     leases.put(key, result)
         return cast(list[_Resolved], found), cached  # every position is filled now
 
+    def _renew_leases(self, keys: list[str]) -> None:
+        """The lease renewer's call: fresh leases (and descriptors) for cached objects still being read.
+        An object gone meanwhile leaves the cache; while the master cannot be reached, the entries stay
+        and end with their leases."""
+        results, _ = self._get_replicas(keys, self._deadline(None), use_cache=False)
+        self._leases.drop([key for key, r in zip(keys, results, strict=True) if r.code == ErrorCode.OBJECT_NOT_FOUND])
+        self._counters.add(lease_renewals=sum(1 for r in results if r.code == ErrorCode.OK))
+
     def _read_resolved(
         self,
         keys: Sequence[str],
@@ -506,6 +518,8 @@ class PoolClient:
         if self._closed:
             return
         self._closed = True
+        if self._renewer is not None:
+            self._renewer.close()
         self._transports.close()
         self._master.close()
 

@@ -1,10 +1,16 @@
-"""LeaseCache: entries live until a margin before their lease (or grant) ends; bounded, LRU."""
+"""LeaseCache: entries live until a margin before their lease (or grant) ends; bounded, LRU; a read in the
+last third of an entry's life asks once for its renewal. LeaseRenewer: renewals in batches, off the
+caller's thread."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from types import SimpleNamespace
 
-from kvpool.client.lease_cache import LeaseCache
+import pytest
+
+from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.common.clock import ManualClock
 
 
@@ -77,3 +83,119 @@ def test_zero_entries_turns_it_off() -> None:
     cache.put("k", _result(clock, 10))
     assert not cache.enabled
     assert cache.get("k") is None
+
+
+def test_a_read_in_the_last_third_of_an_entry_asks_once_for_its_renewal() -> None:
+    clock = ManualClock()
+    due: list[str] = []
+    cache = LeaseCache(10, clock, margin_ms=1000, on_renewal_due=due.append)
+    first = _result(clock, lease_s=10)  # usable for 9 s: renewal due after 6 s
+    cache.put("k", first)
+    clock.advance(5.9)
+    assert cache.get("k") is first
+    assert due == []
+    clock.advance(0.2)
+    assert cache.get("k") is first  # still served while the renewal runs
+    assert cache.get("k") is first
+    assert due == ["k"]  # asked once, not once per read
+    renewed = _result(clock, lease_s=10)
+    cache.put("k", renewed)
+    clock.advance(3.0)  # past the first entry's end
+    assert cache.get("k") is renewed
+    assert due == ["k"]
+    clock.advance(3.1)  # 6.1 s into the renewed entry
+    assert cache.get("k") is renewed
+    assert due == ["k", "k"]
+
+
+def test_an_entry_not_read_in_its_last_third_is_not_renewed() -> None:
+    clock = ManualClock()
+    due: list[str] = []
+    cache = LeaseCache(10, clock, margin_ms=1000, on_renewal_due=due.append)
+    cache.put("k", _result(clock, lease_s=10))
+    clock.advance(9.5)
+    assert cache.get("k") is None
+    assert due == []
+
+
+def test_a_fresh_answer_that_cannot_be_cached_drops_the_old_entry() -> None:
+    """A renewal that finds the object only on SSD now (or with no time left) ends the cached entry."""
+    clock = ManualClock()
+    cache = LeaseCache(10, clock)
+    cache.put("k", _result(clock, 10))
+    moved = _result(clock, 10)
+    moved.replicas[0].tier = 1
+    cache.put("k", moved)
+    assert cache.get("k") is None
+    cache.put("k", _result(clock, 10))
+    cache.put("k", _result(clock, 0.5))
+    assert cache.get("k") is None
+
+
+class _Calls:
+    """What a LeaseRenewer asked for, with a way to wait for it."""
+
+    def __init__(self, fail_first: bool = False) -> None:
+        self.batches: list[list[str]] = []
+        self.cond = threading.Condition()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail_first = fail_first
+
+    def renew(self, keys: list[str]) -> None:
+        self.entered.set()
+        self.gate.wait(5)
+        with self.cond:
+            self.batches.append(keys)
+            self.cond.notify_all()
+        if self.fail_first and len(self.batches) == 1:
+            raise RuntimeError("master unreachable")
+
+    def wait_for(self, n_batches: int) -> list[list[str]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.batches) >= n_batches, timeout=5), self.batches
+            return list(self.batches)
+
+
+def test_the_renewer_batches_keys_that_come_due_together() -> None:
+    calls = _Calls()
+    calls.gate.clear()  # hold the first call so that the next keys queue behind it
+    renewer = LeaseRenewer(calls.renew, linger_s=0.05, max_batch=3)
+    try:
+        renewer.request("a")
+        assert calls.entered.wait(5)
+        for key in ("b", "c", "b", "d", "e"):  # come due while the renewal of "a" runs
+            renewer.request(key)
+        calls.gate.set()
+        batches = calls.wait_for(3)
+        assert batches[1:] == [["b", "c", "d"], ["e"]]  # at most max_batch keys a call; "b" once
+    finally:
+        renewer.close()
+
+
+def test_a_failed_renewal_is_logged_and_the_renewer_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    calls = _Calls(fail_first=True)
+    renewer = LeaseRenewer(calls.renew, linger_s=0.0)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvpool.client.lease_cache"):
+            renewer.request("a")
+            calls.wait_for(1)
+            renewer.request("b")
+            assert calls.wait_for(2)[1] == ["b"]
+        assert "lease renewal of 1 keys failed" in caplog.text
+    finally:
+        renewer.close()
+
+
+def test_a_closed_renewer_stops_its_thread_and_takes_no_keys() -> None:
+    calls = _Calls()
+    renewer = LeaseRenewer(calls.renew, linger_s=0.0)
+    renewer.request("a")
+    calls.wait_for(1)
+    renewer.close()
+    thread = renewer._thread
+    assert thread is not None
+    assert not thread.is_alive()
+    renewer.request("b")
+    assert calls.batches == [["a"]]
