@@ -62,6 +62,12 @@ class LeaseCache:
         # key -> (usable until, renewal due at, result); both times in wall ms
         self._entries: OrderedDict[str, tuple[int, int, Any]] = OrderedDict()
         self._lock = threading.Lock()
+        self._drops = 0  # drop() and clear() calls so far: a renewal that overlapped one keeps nothing
+
+    @property
+    def drops(self) -> int:
+        """A count that changes with every ``drop`` and ``clear``: pass it to ``put`` as ``unless_dropped_since``."""
+        return self._drops
 
     @property
     def enabled(self) -> bool:
@@ -89,11 +95,13 @@ class LeaseCache:
             self._on_renewal_due(key)
         return result
 
-    def put(self, key: str, result: Any) -> None:
+    def put(self, key: str, result: Any, unless_dropped_since: int | None = None) -> None:
         """Remember a readable result (code OK, with replicas) of a leased lookup, replacing any earlier
         one. An object with no DRAM replica is not kept (and an earlier entry is dropped): the master
-        counts its reads to decide when to promote it from SSD."""
-        if not self._max:
+        counts its reads to decide when to promote it from SSD. With ``unless_dropped_since`` (a
+        ``drops`` value read before the lookup) nothing is kept if entries were dropped meanwhile: a
+        background renewal must not bring back the entry of an object this client has just removed."""
+        if not self._max or (unless_dropped_since is not None and unless_dropped_since != self._drops):
             return
         now = self._clock.wall_ms()
         until = min(result.lease_expiry_ms, min((d.expiry_ms for d in result.replicas), default=0)) - self._margin_ms
@@ -109,11 +117,13 @@ class LeaseCache:
 
     def drop(self, keys: Iterable[str]) -> None:
         with self._lock:
+            self._drops += 1
             for key in keys:
                 self._entries.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
+            self._drops += 1
             self._entries.clear()
 
 

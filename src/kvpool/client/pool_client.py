@@ -355,11 +355,13 @@ class PoolClient:
         return self.batch_put_from(keys, [ptr_view(p, s) for p, s in zip(ptrs, sizes, strict=True)], config, timeout)
 
     def _get_replicas(
-        self, keys: Sequence[str], deadline: Deadline, use_cache: bool = True
+        self, keys: Sequence[str], deadline: Deadline, use_cache: bool = True, renewal: bool = False
     ) -> tuple[list[_Resolved], list[int]]:
         """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...)
-        and the positions answered from the lease cache, which asks the master only for the others."""
+        and the positions answered from the lease cache, which asks the master only for the others.
+        A ``renewal``'s answers are not cached if this client dropped entries meanwhile (a removal)."""
         leases = self._leases
+        drops = leases.drops if renewal else None
         found: list[_Resolved | None] = (
             [leases.get(key) for key in keys] if use_cache and leases.enabled else [None] * len(keys)
         )
@@ -378,15 +380,17 @@ class PoolClient:
             for i, key, result in zip(missing, asked, answers, strict=True):
                 found[i] = result
                 if result.code == ErrorCode.OK:
-                    leases.put(key, result)
+                    leases.put(key, result, unless_dropped_since=drops)
         return cast(list[_Resolved], found), cached  # every position is filled now
 
     def _renew_leases(self, keys: list[str]) -> None:
         """The lease renewer's call: fresh leases (and descriptors) for cached objects still being read.
         An object gone meanwhile leaves the cache; while the master cannot be reached, the entries stay
         and end with their leases."""
-        results, _ = self._get_replicas(keys, self._deadline(None), use_cache=False)
-        self._leases.drop([key for key, r in zip(keys, results, strict=True) if r.code == ErrorCode.OBJECT_NOT_FOUND])
+        results, _ = self._get_replicas(keys, self._deadline(None), use_cache=False, renewal=True)
+        gone = [key for key, r in zip(keys, results, strict=True) if r.code == ErrorCode.OBJECT_NOT_FOUND]
+        if gone:
+            self._leases.drop(gone)
         self._counters.add(lease_renewals=sum(1 for r in results if r.code == ErrorCode.OK))
 
     def _read_resolved(

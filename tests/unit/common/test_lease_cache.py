@@ -132,6 +132,22 @@ def test_a_fresh_answer_that_cannot_be_cached_drops_the_old_entry() -> None:
     assert cache.get("k") is None
 
 
+def test_a_renewal_that_overlapped_a_drop_keeps_nothing() -> None:
+    """A client that removes a key while its renewal is in flight must not get the entry back."""
+    clock = ManualClock()
+    cache = LeaseCache(10, clock)
+    before = cache.drops
+    cache.drop(["removed"])
+    cache.put("removed", _result(clock, 10), unless_dropped_since=before)
+    assert cache.get("removed") is None
+    now = cache.drops
+    cache.put("kept", _result(clock, 10), unless_dropped_since=now)
+    assert cache.get("kept") is not None
+    cache.clear()
+    cache.put("kept", _result(clock, 10), unless_dropped_since=now)
+    assert cache.get("kept") is None
+
+
 class _Calls:
     """What a LeaseRenewer asked for, with a way to wait for it."""
 
