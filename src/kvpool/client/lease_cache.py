@@ -101,15 +101,18 @@ class LeaseCache:
         counts its reads to decide when to promote it from SSD. With ``unless_dropped_since`` (a
         ``drops`` value read before the lookup) nothing is kept if entries were dropped meanwhile: a
         background renewal must not bring back the entry of an object this client has just removed."""
-        if not self._max or (unless_dropped_since is not None and unless_dropped_since != self._drops):
+        if not self._max:
             return
         now = self._clock.wall_ms()
         until = min(result.lease_expiry_ms, min((d.expiry_ms for d in result.replicas), default=0)) - self._margin_ms
-        if until <= now or not any(d.tier == 0 for d in result.replicas):
-            self.drop([key])
-            return
+        cacheable = until > now and any(d.tier == 0 for d in result.replicas)
         renew_at = now + int((until - now) * RENEW_AFTER) if self._on_renewal_due is not None else until
         with self._lock:
+            if unless_dropped_since is not None and unless_dropped_since != self._drops:
+                return
+            if not cacheable:  # not a removal by the client: it does not count as a drop
+                self._entries.pop(key, None)
+                return
             self._entries[key] = (until, renew_at, result)
             self._entries.move_to_end(key)
             while len(self._entries) > self._max:

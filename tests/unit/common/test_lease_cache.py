@@ -143,6 +143,11 @@ def test_a_renewal_that_overlapped_a_drop_keeps_nothing() -> None:
     now = cache.drops
     cache.put("kept", _result(clock, 10), unless_dropped_since=now)
     assert cache.get("kept") is not None
+    ssd_only = _result(clock, 10)
+    ssd_only.replicas[0].tier = 1
+    cache.put("moved", ssd_only, unless_dropped_since=now)  # an answer not kept is not a removal
+    cache.put("also-kept", _result(clock, 10), unless_dropped_since=now)
+    assert cache.get("also-kept") is not None
     cache.clear()
     cache.put("kept", _result(clock, 10), unless_dropped_since=now)
     assert cache.get("kept") is None
