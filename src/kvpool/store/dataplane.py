@@ -371,14 +371,10 @@ class DataPlaneServer:
                 self._read(conn, reader, req_id, length)
             elif op == Op.READV:
                 self._readv(conn, reader, req_id, length)
-            elif op == Op.WRITEV:
+            elif op in (Op.WRITE, Op.WRITEV):
                 if scratch is None:
                     scratch = memoryview(bytearray(_SCRATCH_BYTES))
-                self._writev(conn, reader, req_id, length, scratch)
-            elif op == Op.WRITE:
-                if scratch is None:
-                    scratch = memoryview(bytearray(_SCRATCH_BYTES))
-                self._write(conn, reader, req_id, length, scratch)
+                (self._write if op == Op.WRITE else self._writev)(conn, reader, req_id, length, scratch)
             elif op == Op.PING:
                 self._expect_empty(op, req_id, length)
                 self._reply(conn, op, req_id, ErrorCode.OK)
@@ -539,10 +535,7 @@ class DataPlaneServer:
                     conn.stats.error(code)
                     dests.append(scratch[: desc.part_length])
                     continue
-                g = desc.grant
-                self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
-                start = g.offset + desc.part_offset
-                dest = seg.view[start : start + desc.part_length]
+                dest = self._begin_landing(seg, desc)
                 landing.append((desc, dest))
                 dests.append(dest)
             reader.read_into_many(dests)
@@ -551,11 +544,7 @@ class DataPlaneServer:
                 dest.release()
                 self.limits.release(conn.client, desc.part_length)
         for desc, _ in landing:
-            g = desc.grant
-            self._inventory.record_part(
-                g.segment_id, g.offset, g.length, g.key, desc.checksum, desc.part_offset, desc.part_length
-            )
-            conn.stats.bytes_written += desc.part_length
+            self._landed(conn, desc)
         table = vector_codes(len(descs))
         _hold(conn, HEADER.pack(MAGIC, Op.WRITEV, 0, 0, req_id, table.size) + table.pack(*codes))
 
@@ -605,20 +594,30 @@ class DataPlaneServer:
             conn.stats.error(code)
             self._reply(conn, Op.WRITE, req_id, code)
             return
-        g = desc.grant
-        self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
-        start = g.offset + desc.part_offset
-        dest = seg.view[start : start + part_length]
+        dest = self._begin_landing(seg, desc)
         try:
             reader.read_into(dest)
         finally:
             dest.release()
             self.limits.release(conn.client, part_length)
-        self._inventory.record_part(
-            g.segment_id, g.offset, g.length, g.key, desc.checksum, desc.part_offset, part_length
-        )
-        conn.stats.bytes_written += part_length
+        self._landed(conn, desc)
         self._reply(conn, Op.WRITE, req_id, ErrorCode.OK)
+
+    def _begin_landing(self, seg: ShmSegment, desc: TransferDesc) -> memoryview:
+        """A checked WRITE part is about to land: the inventory drops what it overwrites (before any byte
+        lands); returns the segment's view of the part (the caller releases it)."""
+        g = desc.grant
+        self._inventory.begin_write(g.segment_id, g.offset, g.length, g.key, desc.checksum)
+        start = g.offset + desc.part_offset
+        return seg.view[start : start + desc.part_length]
+
+    def _landed(self, conn: _Conn, desc: TransferDesc) -> None:
+        """A WRITE part's bytes are in the segment: the inventory records them."""
+        g = desc.grant
+        self._inventory.record_part(
+            g.segment_id, g.offset, g.length, g.key, desc.checksum, desc.part_offset, desc.part_length
+        )
+        conn.stats.bytes_written += desc.part_length
 
     def _record(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
         """A same-node client memcpy'd a whole object into the segment: record it like a finished WRITE.

@@ -959,7 +959,7 @@ class _Lane:
             job.codes.append(code)
         job.done += len(group)
 
-    def _reply_code(self, reader: FrameReader, req_id: int, op: Op) -> tuple[ErrorCode, int]:
+    def _reply_code(self, reader: FrameReader, req_id: int) -> tuple[ErrorCode, int]:
         """A reply's header for the frame ``req_id``: its code and payload length. Raises _Broken for a
         reply after which the connection cannot go on."""
         magic, reply_op, _flags, status, rid, length = HEADER.unpack(reader.read(HEADER_SIZE))
@@ -977,7 +977,7 @@ class _Lane:
     def _receive_vector(self, reader: FrameReader, req_id: int, group: list[_Part]) -> list[ErrorCode]:
         """The answer to a READV/WRITEV: a code per entry, then (READV) the bytes of the OK entries."""
         op = Op.READV if group[0].op == Op.READ else Op.WRITEV
-        code, length = self._reply_code(reader, req_id, op)
+        code, length = self._reply_code(reader, req_id)
         if code != ErrorCode.OK:
             if length:
                 raise _Broken(ErrorCode.BAD_FRAME, f"a {length}-byte payload in a failed {op.name} reply")
@@ -993,7 +993,7 @@ class _Lane:
         return codes
 
     def _receive(self, reader: FrameReader, req_id: int, part: _Part) -> ErrorCode:
-        code, length = self._reply_code(reader, req_id, part.op)
+        code, length = self._reply_code(reader, req_id)
         if code == ErrorCode.OK and part.op == Op.READ:
             if length != len(part.view):
                 raise _Broken(ErrorCode.BAD_FRAME, f"READ answered with {length} bytes, {len(part.view)} asked")
