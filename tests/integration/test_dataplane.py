@@ -23,10 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
 from kvpool.proto.frames import (
     DESC,
+    FLAG_REVALIDATE,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -144,9 +146,9 @@ class Raw:
     def send(self, data: bytes | bytearray | memoryview) -> None:
         self.sock.sendall(data)
 
-    def header(self, op: int, length: int, req_id: int | None = None, magic: int = MAGIC) -> bytes:
+    def header(self, op: int, length: int, req_id: int | None = None, magic: int = MAGIC, flags: int = 0) -> bytes:
         self.req_id += 1
-        return HEADER.pack(magic, op, 0, 0, self.req_id if req_id is None else req_id, length)
+        return HEADER.pack(magic, op, flags, 0, self.req_id if req_id is None else req_id, length)
 
     def recv_exact(self, n: int) -> bytes:
         out = bytearray()
@@ -163,26 +165,31 @@ class Raw:
         assert magic == MAGIC
         return op, status, req_id, self.recv_exact(length)
 
-    def write(self, grant: Grant, data: bytes, part_offset: int = 0, checksum: int = 0) -> int:
+    def write(self, grant: Grant, data: bytes, part_offset: int = 0, checksum: int = 0, flags: int = 0) -> int:
         desc = TransferDesc(grant, checksum, part_offset, len(data)).pack()
-        self.send(self.header(Op.WRITE, len(desc) + len(data)) + desc + data)
+        self.send(self.header(Op.WRITE, len(desc) + len(data), flags=flags) + desc + data)
         _op, status, req_id, payload = self.response()
         assert req_id == self.req_id
         assert payload == b""
         return status
 
-    def read(self, grant: Grant, part_offset: int = 0, part_length: int | None = None) -> tuple[int, bytes]:
+    def read(
+        self, grant: Grant, part_offset: int = 0, part_length: int | None = None, checksum: int = 0, flags: int = 0
+    ) -> tuple[int, bytes]:
         n = grant.length - part_offset if part_length is None else part_length
-        desc = TransferDesc(grant, 0, part_offset, n).pack()
-        self.send(self.header(Op.READ, len(desc)) + desc)
+        desc = TransferDesc(grant, checksum, part_offset, n).pack()
+        self.send(self.header(Op.READ, len(desc), flags=flags) + desc)
         _op, status, req_id, payload = self.response()
         assert req_id == self.req_id
         return status, payload
 
-    def readv(self, entries: list[tuple[Grant, int, int]]) -> tuple[int, list[int], bytes]:
+    def readv(
+        self, entries: list[tuple[Grant, int, int]], checksum: int = 0, flags: int = 0
+    ) -> tuple[int, list[int], bytes]:
         """One READV of (grant, part_offset, part_length) entries: (frame status, entry codes, data)."""
-        body = VECTOR_COUNT.pack(len(entries)) + b"".join(TransferDesc(g, 0, o, n).pack() for g, o, n in entries)
-        self.send(self.header(Op.READV, len(body)) + body)
+        descs = b"".join(TransferDesc(g, checksum, o, n).pack() for g, o, n in entries)
+        body = VECTOR_COUNT.pack(len(entries)) + descs
+        self.send(self.header(Op.READV, len(body), flags=flags) + body)
         op, status, req_id, payload = self.response()
         assert (op, req_id) == (Op.READV, self.req_id)
         codes = list(struct.unpack_from(f"<{len(entries)}i", payload)) if status == 0 else []
@@ -427,6 +434,50 @@ def test_expired_grant(store: Store) -> None:
         old = store.grant(GrantOp.READ, 0, 100, expiry_ms=now_ms() - 1000)
         assert c.read(old)[0] == ErrorCode.GRANT_EXPIRED
         assert c.ping() == ErrorCode.OK
+
+
+def test_a_revalidated_read_is_served_only_while_the_store_holds_exactly_that_object(store: Store) -> None:
+    """FLAG_REVALIDATE (decision 0014): an ended but authentic READ grant is served from the inventory."""
+    data, other = os.urandom(4096), os.urandom(4096)
+    held = checksum(data)
+    past = now_ms() - 1
+    with Raw(store.port) as c:
+        assert c.write(store.grant(GrantOp.WRITE, 0, 4096, b"obj"), data, checksum=held) == ErrorCode.OK
+        ended = store.grant(GrantOp.READ, 0, 4096, b"obj", expiry_ms=past)
+        assert c.read(ended, checksum=held)[0] == ErrorCode.GRANT_EXPIRED  # not asked: refused as always
+        assert c.read(ended, checksum=held, flags=FLAG_REVALIDATE) == (ErrorCode.OK, data)
+        assert c.read(ended, 1000, 100, checksum=held, flags=FLAG_REVALIDATE) == (ErrorCode.OK, data[1000:1100])
+        assert c.readv([(ended, 0, 4096)], checksum=held, flags=FLAG_REVALIDATE) == (ErrorCode.OK, [0], data)
+        # Not another key, range or checksum than the one held; a forged grant stays forged.
+        not_held = [
+            (store.grant(GrantOp.READ, 0, 4096, b"other", expiry_ms=past), held),
+            (store.grant(GrantOp.READ, 0, 2048, b"obj", expiry_ms=past), held),
+            (ended, held ^ 1),
+        ]
+        for grant, csum in not_held:
+            assert c.read(grant, checksum=csum, flags=FLAG_REVALIDATE)[0] == ErrorCode.GRANT_EXPIRED
+        forged = Grant(GrantOp.READ, store.segment.id, 0, 4096, past, b"obj", b"\0" * 16)
+        assert c.read(forged, checksum=held, flags=FLAG_REVALIDATE)[0] == ErrorCode.AUTH_FAILED
+        # Never a write.
+        late = store.grant(GrantOp.WRITE, 0, 4096, b"obj", expiry_ms=past)
+        assert c.write(late, data, checksum=held, flags=FLAG_REVALIDATE) == ErrorCode.GRANT_EXPIRED
+        # Not once another object has begun to land over it, nor a half-written one.
+        assert c.write(store.grant(GrantOp.WRITE, 0, 4096, b"next"), other[:2048], checksum=checksum(other)) == 0
+        assert c.read(ended, checksum=held, flags=FLAG_REVALIDATE)[0] == ErrorCode.GRANT_EXPIRED
+        half = store.grant(GrantOp.READ, 0, 4096, b"next", expiry_ms=past)
+        assert c.read(half, checksum=checksum(other), flags=FLAG_REVALIDATE)[0] == ErrorCode.GRANT_EXPIRED
+        # Nor once the master has freed it.
+        assert c.write(store.grant(GrantOp.WRITE, 8192, 4096, b"obj2"), data, checksum=held) == ErrorCode.OK
+        ended2 = store.grant(GrantOp.READ, 8192, 4096, b"obj2", expiry_ms=past)
+        assert c.read(ended2, checksum=held, flags=FLAG_REVALIDATE)[0] == ErrorCode.OK
+        assert store.inventory.drop(store.segment.id, 8192)
+        assert c.read(ended2, checksum=held, flags=FLAG_REVALIDATE)[0] == ErrorCode.GRANT_EXPIRED
+    stats = store.server.statistics()
+    assert stats.reads_revalidated == 4
+    assert stats.errors == {"GRANT_EXPIRED": 8, "AUTH_FAILED": 1}
+    store.expected[:2048] = np.frombuffer(other[:2048], dtype=np.uint8)
+    store.expected[2048:4096] = np.frombuffer(data[2048:], dtype=np.uint8)
+    store.expected[8192 : 8192 + 4096] = np.frombuffer(data, dtype=np.uint8)
 
 
 def test_unknown_segment(store: Store) -> None:

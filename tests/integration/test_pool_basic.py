@@ -217,6 +217,58 @@ def test_a_hot_object_keeps_its_cached_lease_past_the_lease_ttl(make_cluster: An
         assert renewing.stats().hits - hits_before == master_reads
 
 
+def _wait_past(deadline: float) -> None:
+    """Wait until the monotonic clock passes ``deadline`` (a lease that must have ended by then)."""
+    wait_for(lambda: time.monotonic() > deadline, timeout=30, what="the lease to end", interval=0.02)
+
+
+def test_a_read_after_the_lease_ended_is_revalidated_by_the_store_even_with_the_master_down(
+    make_cluster: Any,
+) -> None:
+    """Decision 0014: the client keeps where an object was after its lease ends and reads it from there;
+    the store serves it because it still holds exactly that object. No master is needed for it: here the
+    master is stopped before the re-reads. A client without it has to ask the master, and fails."""
+    cluster = make_cluster(stores=1, store_size="16MiB", master_args=FAST_MASTER + ("--lease-ttl-s", "2"))
+    value = os.urandom(70_000)
+    with client(cluster.master) as hinted, client(cluster.master, revalidate_reads=False) as plain:
+        assert hinted.put("k", value) == 0
+        assert hinted.get("k") == value
+        assert plain.get("k") == value
+        _wait_past(time.monotonic() + 2.0)  # both leases were granted before now: ended by then
+        cluster.terminate(cluster.masters[0])
+        for _ in range(3):
+            assert hinted.get("k") == value
+        assert plain.get("k") is None  # its cached lease ended, and the master is gone
+        m = hinted.metrics()
+        assert (m["revalidated_reads"], m["revalidations_refused"], m["lease_renewals"]) == (3, 0, 0)
+        assert plain.metrics()["revalidated_reads"] == 0
+
+
+def test_a_hint_whose_range_was_reused_is_refused_by_the_store_and_asked_again(make_cluster: Any) -> None:
+    """After the reader's lease ended, the object is force-removed and its range reused by another: the
+    store no longer holds it, refuses the revalidated read before sending a byte, and the reader asks the
+    master, which says it is gone. A revalidated read also renews the lease, as a leased read the
+    master's LRU sees."""
+    cluster = make_cluster(stores=1, store_size="8MiB", master_args=FAST_MASTER + ("--lease-ttl-s", "3"))
+    old = os.urandom(1 << 20)
+    with client(cluster.master) as reader, client(cluster.master) as writer:
+        assert reader.put("victim", old) == 0
+        assert reader.put("kept", old) == 0  # next to it: the victim's range becomes an exact-fit hole
+        assert reader.batch_get(["victim", "kept"]) == [old, old]
+        _wait_past(time.monotonic() + 3.0)
+        hits = reader.stats().hits
+        assert reader.get("kept") == old  # revalidated; its renewal reaches the master in the background
+        wait_for(lambda: reader.metrics()["lease_renewals"] == 1, timeout=10, what="the renewal")
+        assert reader.stats().hits == hits + 1
+        assert reader.get("kept") == old  # a plain cache hit again
+        assert writer.remove("victim", force=True) == 0
+        assert writer.put("reuses-the-range", os.urandom(1 << 20)) == 0  # best fit: the victim's hole
+        assert reader.get("victim") is None
+        m = reader.metrics()
+        assert (m["revalidated_reads"], m["revalidations_refused"]) == (1, 1)
+        assert m["checksum_mismatches"] == 0  # refused by the store: the reused range was never sent
+
+
 def test_a_cached_lease_on_a_reused_range_never_returns_the_new_bytes(make_cluster: Any) -> None:
     """Another client force-removes everything and fills the segment with other objects: a read through the
     stale cached descriptor fails its checksum, is resolved again at the master, and is a clean miss."""

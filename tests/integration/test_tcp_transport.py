@@ -372,10 +372,10 @@ def test_every_connection_asks_once_whether_the_store_takes_vectored_ops(
     probes: list[int] = []
     real = DataPlaneServer._readv
 
-    def counting(self: DataPlaneServer, conn: Any, reader: Any, req_id: int, length: int) -> None:
+    def counting(self: DataPlaneServer, conn: Any, reader: Any, req_id: int, length: int, revalidate: int) -> None:
         if length == 2:
             probes.append(req_id)
-        real(self, conn, reader, req_id, length)
+        real(self, conn, reader, req_id, length, revalidate)
 
     monkeypatch.setattr(DataPlaneServer, "_readv", counting)
     t = TcpTransport(connections_per_endpoint=3)

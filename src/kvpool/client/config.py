@@ -36,6 +36,12 @@ class ClientConfig:
         "(one batched master call for the keys coming due together), so that a hot object stays one round "
         "trip and the master sees it as recently used.",
     )
+    revalidate_reads: bool = option(
+        True,
+        "Keep the location of a cached object after its lease ends and read it from there (over TCP) if the "
+        "store still holds exactly that object, renewing the lease in the background: a re-read stays one "
+        "round trip. Needs lease_renewal.",
+    )
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
     use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
     breaker_backoff_s: float = option(

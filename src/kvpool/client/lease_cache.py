@@ -23,6 +23,14 @@ them - and an object another client *force*-removes may still be read from a liv
 ends - the same race a read that fetched its descriptors just before the removal has, stretched to one
 lease. A cached read that fails in any way (the range was reused: checksum mismatch; the store restarted:
 segment not found) drops the entry and asks the master.
+
+**Hints** (``keep_hints``; decision 0014). An entry whose lease has ended is kept, as a hint of where the
+object was: ``hint(key)`` returns it, and a read from it asks for its renewal (``hint_used``: again at
+most once a second while the renewal does not land). The client reads from a hint with a *revalidated*
+read: the store serves it only if it still holds exactly that object (same key, range and checksum,
+nothing written over it since), and the landed bytes are checked against the checksum as always. So a
+re-read after the lease ran out is still one data round trip, and the renewal it asks for refreshes the
+master's LRU in the background.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ logger = get_logger(__name__)
 # An entry read after this fraction of its usable life asks for a renewal: the remaining third (~3 s of a
 # 10 s lease) leaves the renewal seconds to complete before the entry would end.
 RENEW_AFTER = 2 / 3
+# A hint asks for its renewal again after this long if the last one did not land (master unreachable).
+RENEW_RETRY_MS = 1000
 
 
 class LeaseCache:
@@ -54,11 +64,13 @@ class LeaseCache:
         clock: Clock,
         margin_ms: int = 1000,
         on_renewal_due: Callable[[str], None] | None = None,
+        keep_hints: bool = False,
     ) -> None:
         self._max = max_entries
         self._clock = clock
         self._margin_ms = margin_ms
         self._on_renewal_due = on_renewal_due
+        self._keep_hints = keep_hints
         # key -> (usable until, renewal due at, result); both times in wall ms
         self._entries: OrderedDict[str, tuple[int, int, Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -73,6 +85,10 @@ class LeaseCache:
     def enabled(self) -> bool:
         return self._max > 0
 
+    @property
+    def keeps_hints(self) -> bool:
+        return self._keep_hints and self._max > 0
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -85,7 +101,8 @@ class LeaseCache:
                 return None
             until, renew_at, result = entry
             if until <= now:
-                del self._entries[key]
+                if not self._keep_hints:
+                    del self._entries[key]
                 return None
             self._entries.move_to_end(key)
             due = renew_at <= now
@@ -94,6 +111,29 @@ class LeaseCache:
         if due and self._on_renewal_due is not None:
             self._on_renewal_due(key)
         return result
+
+    def hint(self, key: str) -> Any | None:
+        """The result of an entry whose lease has ended (kept with ``keep_hints``): where the object was.
+        A caller that reads from it calls :meth:`hint_used`."""
+        now = self._clock.wall_ms()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] > now:
+                return None
+            self._entries.move_to_end(key)
+            return entry[2]
+
+    def hint_used(self, key: str) -> None:
+        """A read is served from the hint of ``key``: ask for its renewal, at most once per ``RENEW_RETRY_MS``
+        (a renewal that lands replaces the entry; one that cannot reach the master is asked again)."""
+        now = self._clock.wall_ms()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[1] > now:
+                return
+            self._entries[key] = (entry[0], now + RENEW_RETRY_MS, entry[2])
+        if self._on_renewal_due is not None:
+            self._on_renewal_due(key)
 
     def put(self, key: str, result: Any, unless_dropped_since: int | None = None) -> None:
         """Remember a readable result (code OK, with replicas) of a leased lookup, replacing any earlier

@@ -92,6 +92,8 @@ class _Counters:
         "lease_expired",
         "lease_cache_hits",
         "lease_renewals",
+        "revalidated_reads",
+        "revalidations_refused",
         "lookups",
         "lookup_hits",
         "degraded_calls",
@@ -142,7 +144,10 @@ class PoolClient:
         self._counters = _Counters()
         self._renewer = LeaseRenewer(self._renew_leases) if cfg.lease_renewal and cfg.lease_cache_entries else None
         self._leases = LeaseCache(
-            cfg.lease_cache_entries, clock, on_renewal_due=self._renewer.request if self._renewer else None
+            cfg.lease_cache_entries,
+            clock,
+            on_renewal_due=self._renewer.request if self._renewer else None,
+            keep_hints=cfg.revalidate_reads and self._renewer is not None,
         )
         self._closed = False
 
@@ -319,9 +324,9 @@ class PoolClient:
         if not keys:
             return []
         deadline = self._deadline(timeout)
-        results, cached = self._get_replicas(keys, deadline)
+        results, cached, hinted = self._get_replicas(keys, deadline)
         buffers = [bytearray(r.size) if r.code == 0 else bytearray() for r in results]
-        codes = self._read_resolved(keys, results, cached, [memoryview(b) for b in buffers], deadline)
+        codes = self._read_resolved(keys, results, cached, hinted, [memoryview(b) for b in buffers], deadline)
         return [bytes(b[:c]) if c >= 0 else None for b, c in zip(buffers, codes, strict=True)]
 
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
@@ -335,8 +340,8 @@ class PoolClient:
             return []
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
-        results, cached = self._get_replicas(keys, deadline)
-        return self._read_resolved(keys, results, cached, views, deadline)
+        results, cached, hinted = self._get_replicas(keys, deadline)
+        return self._read_resolved(keys, results, cached, hinted, views, deadline)
 
     def batch_get_into_ptrs(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
@@ -356,18 +361,27 @@ class PoolClient:
 
     def _get_replicas(
         self, keys: Sequence[str], deadline: Deadline, use_cache: bool = True, renewal: bool = False
-    ) -> tuple[list[_Resolved], list[int]]:
-        """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...)
-        and the positions answered from the lease cache, which asks the master only for the others.
+    ) -> tuple[list[_Resolved], list[int], dict[int, list[Replica]]]:
+        """One result per key (a failed master call gives results carrying its code: UNAVAILABLE, ...),
+        the positions answered from the lease cache, which asks the master only for the others, and of
+        those the ones answered from a hint (an ended lease), with the replicas to revalidate them on.
         A ``renewal``'s answers are not cached if this client dropped entries meanwhile (a removal)."""
         leases = self._leases
         drops = leases.drops if renewal else None
         found: list[_Resolved | None] = (
             [leases.get(key) for key in keys] if use_cache and leases.enabled else [None] * len(keys)
         )
+        hinted: dict[int, list[Replica]] = {}
+        if use_cache and leases.keeps_hints and None in found:
+            for i, r in enumerate(found):
+                hint = leases.hint(keys[i]) if r is None else None
+                if hint is not None and (replicas := self._transports.revalidating(hint.replicas)):
+                    found[i] = hint
+                    hinted[i] = replicas
+                    leases.hint_used(keys[i])
         cached = [i for i, r in enumerate(found) if r is not None]
-        if cached:
-            self._counters.add(lease_cache_hits=len(cached))
+        if len(cached) > len(hinted):
+            self._counters.add(lease_cache_hits=len(cached) - len(hinted))
         if len(cached) < len(keys):
             missing = [i for i, r in enumerate(found) if r is None]
             asked = [keys[i] for i in missing] if cached else list(keys)
@@ -381,13 +395,13 @@ class PoolClient:
                 found[i] = result
                 if result.code == ErrorCode.OK:
                     leases.put(key, result, unless_dropped_since=drops)
-        return cast(list[_Resolved], found), cached  # every position is filled now
+        return cast(list[_Resolved], found), cached, hinted  # every position is filled now
 
     def _renew_leases(self, keys: list[str]) -> None:
         """The lease renewer's call: fresh leases (and descriptors) for cached objects still being read.
         An object gone meanwhile leaves the cache; while the master cannot be reached, the entries stay
         and end with their leases."""
-        results, _ = self._get_replicas(keys, self._deadline(None), use_cache=False, renewal=True)
+        results, _, _ = self._get_replicas(keys, self._deadline(None), use_cache=False, renewal=True)
         gone = [key for key, r in zip(keys, results, strict=True) if r.code == ErrorCode.OBJECT_NOT_FOUND]
         if gone:
             self._leases.drop(gone)
@@ -398,16 +412,21 @@ class PoolClient:
         keys: Sequence[str],
         results: list[_Resolved],
         cached: list[int],
+        hinted: dict[int, list[Replica]],
         views: list[memoryview],
         deadline: Deadline,
     ) -> list[int]:
-        """Read every resolved key; a read from a cached lease that failed is resolved again at the master."""
-        codes = self._read_all(keys, results, views, deadline)
+        """Read every resolved key; a read from a cached lease (or a hint) that failed is resolved again
+        at the master."""
+        codes = self._read_all(keys, results, views, deadline, hinted)
+        if hinted:
+            refused = sum(1 for i in hinted if codes[i] < 0)
+            self._counters.add(revalidated_reads=len(hinted) - refused, revalidations_refused=refused)
         retry = [i for i in cached if codes[i] < 0]
         if retry and not deadline.expired():
             retry_keys = [keys[i] for i in retry]
             self._leases.drop(retry_keys)
-            fresh, _ = self._get_replicas(retry_keys, deadline, use_cache=False)
+            fresh, _, _ = self._get_replicas(retry_keys, deadline, use_cache=False)
             for i, code in zip(
                 retry, self._read_all(retry_keys, fresh, [views[i] for i in retry], deadline), strict=True
             ):
@@ -416,9 +435,16 @@ class PoolClient:
         return codes
 
     def _read_all(
-        self, keys: Sequence[str], results: list[_Resolved], views: list[memoryview], deadline: Deadline
+        self,
+        keys: Sequence[str],
+        results: list[_Resolved],
+        views: list[memoryview],
+        deadline: Deadline,
+        hinted: dict[int, list[Replica]] | None = None,
     ) -> list[int]:
-        """Read each found object from one replica, falling back to the next replica on failure."""
+        """Read each found object from one replica, falling back to the next replica on failure; a
+        ``hinted`` one (its lease has ended) only from the given replicas, as a revalidated read."""
+        hinted = hinted or {}
         codes = [0] * len(keys)
         pending: dict[int, list[Replica]] = {}
         for i, r in enumerate(results):
@@ -428,6 +454,8 @@ class PoolClient:
                 codes[i] = int(ErrorCode.BUFFER_TOO_SMALL)
             elif not r.replicas:
                 codes[i] = int(ErrorCode.OBJECT_NOT_FOUND)
+            elif i in hinted:
+                pending[i] = list(hinted[i])
             else:
                 replicas = r.replicas
                 pending[i] = self._transports.order(replicas) if len(replicas) > 1 else list(replicas)
@@ -436,22 +464,29 @@ class PoolClient:
             # The transport verifies each object's checksum as soon as its bytes land.
             requests = [
                 TransferRequest(
-                    GrantOp.READ, keys[i].encode(), rep, views[i][: results[i].size], results[i].checksum, True
+                    GrantOp.READ,
+                    keys[i].encode(),
+                    rep,
+                    views[i][: results[i].size],
+                    results[i].checksum,
+                    True,
+                    i in hinted,
                 )
                 for i, rep in batch.items()
             ]
             for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
-                code = self._verify(code, results[i])
+                code = self._verify(code, results[i], i in hinted)
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
                     del pending[i]
         return codes
 
-    def _verify(self, code: ErrorCode, result: _Resolved) -> ErrorCode:
-        """The transport checked the bytes against the checksum; the lease must still hold too."""
+    def _verify(self, code: ErrorCode, result: _Resolved, revalidated: bool = False) -> ErrorCode:
+        """The transport checked the bytes against the checksum; the lease must still hold too, unless
+        the store revalidated the read (it held exactly this object when it sent the bytes)."""
         if code == ErrorCode.CHECKSUM_MISMATCH:
             self._counters.add(checksum_mismatches=1)
-        if code != ErrorCode.OK:
+        if code != ErrorCode.OK or revalidated:
             return code
         if self._clock.wall_ms() > result.lease_expiry_ms:
             # The lease ran out during the transfer: the object may have been evicted and its range

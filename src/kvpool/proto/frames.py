@@ -8,7 +8,7 @@ Header (28 bytes)::
 
     magic  u32   b"KVP1"
     op     u16   Op / RPC method id
-    flags  u16   reserved, 0
+    flags  u16   FLAG_REVALIDATE on a READ/READV request, else 0
     status i32   ErrorCode in responses, 0 in requests
     req_id u64   echoed in the response; responses on one connection come in request order
     length u64   payload bytes that follow
@@ -16,6 +16,8 @@ Header (28 bytes)::
 Data-plane READ/WRITE payload: a fixed :data:`DESC` (the grant and the part of the object this request
 moves), the key bytes, then (WRITE only) ``part_length`` bytes of data. A READ response carries
 ``part_length`` bytes. A malformed frame closes the connection; the server keeps serving others.
+A READ or READV with :data:`FLAG_REVALIDATE` asks the store to serve an entry whose grant has ended if it
+still holds exactly that object (decision 0014); any other request's grant must not have ended.
 
 READV and WRITEV move several small parts in one frame each way (a batch of small values costs a
 header, a syscall and a wake-up per frame, not per part). Payload: ``u16 count``
@@ -41,6 +43,9 @@ from kvpool.proto import master_pb2 as pb
 MAGIC = 0x3150564B  # b"KVP1" little-endian
 HEADER = struct.Struct("<IHHiQQ")
 HEADER_SIZE = HEADER.size
+FLAG_REVALIDATE = 1
+"""Header flag of a READ/READV: an entry with an ended (but authentic) grant is served if the store still
+holds exactly that object - the client's cached location of an object whose lease ran out."""
 # segment_id, obj_offset, obj_length, expiry_ms, checksum, part_offset, part_length, key_len, mac
 DESC = struct.Struct(f"<QQQQQQQH{MAC_BYTES}s")
 MAX_KEY_BYTES = 512

@@ -48,6 +48,7 @@ from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
 from kvpool.proto.frames import (
     DESC,
+    FLAG_REVALIDATE,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -102,18 +103,20 @@ class DataPlaneStats:
     requests: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    reads_revalidated: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
 
 class _ConnStats:
     """One connection's counters, written only by its own thread (no lock on the hot path)."""
 
-    __slots__ = ("requests", "bytes_read", "bytes_written", "errors")
+    __slots__ = ("requests", "bytes_read", "bytes_written", "reads_revalidated", "errors")
 
     def __init__(self) -> None:
         self.requests = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        self.reads_revalidated = 0
         self.errors: dict[ErrorCode, int] = {}
 
     def error(self, code: ErrorCode) -> None:
@@ -123,6 +126,7 @@ class _ConnStats:
         total.requests += self.requests
         total.bytes_read += self.bytes_read
         total.bytes_written += self.bytes_written
+        total.reads_revalidated += self.reads_revalidated
         for code, n in self.errors.items():
             total.errors[code.name] = total.errors.get(code.name, 0) + n
 
@@ -268,6 +272,7 @@ class DataPlaneServer:
                 t.requests,
                 t.bytes_read,
                 t.bytes_written,
+                t.reads_revalidated,
                 dict(t.errors),
             )
             live = [c.stats for c in self._conns]
@@ -359,7 +364,7 @@ class DataPlaneServer:
                 self._flush(conn)
             if not self._wait_for_frame(reader):
                 return
-            magic, op, _flags, _status, req_id, length = HEADER.unpack(reader.read(HEADER_SIZE))
+            magic, op, flags, _status, req_id, length = HEADER.unpack(reader.read(HEADER_SIZE))
             if magic != MAGIC:
                 raise _Close(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x}")
             stats.requests += 1
@@ -368,9 +373,9 @@ class DataPlaneServer:
             if op == Op.HELLO or not conn.authed:
                 self._hello(conn, reader, op, req_id, length)
             elif op == Op.READ:
-                self._read(conn, reader, req_id, length)
+                self._read(conn, reader, req_id, length, flags & FLAG_REVALIDATE)
             elif op == Op.READV:
-                self._readv(conn, reader, req_id, length)
+                self._readv(conn, reader, req_id, length, flags & FLAG_REVALIDATE)
             elif op in (Op.WRITE, Op.WRITEV):
                 if scratch is None:
                     scratch = memoryview(bytearray(_SCRATCH_BYTES))
@@ -422,7 +427,7 @@ class DataPlaneServer:
         if length:
             raise _Close(ErrorCode.BAD_FRAME, f"op {op} with a {length}-byte payload", req_id, op)
 
-    def _read(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+    def _read(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, revalidate: int) -> None:
         if not DESC.size <= length <= _MAX_READ_PAYLOAD:
             raise _Close(ErrorCode.BAD_FRAME, f"READ payload of {length} bytes", req_id, Op.READ)
         raw = reader.read(length)
@@ -445,7 +450,7 @@ class DataPlaneServer:
                 self._reply(conn, Op.READ, req_id, code)
             conn.stats.bytes_read += sent
             return
-        code, seg = self._check_and_reserve(conn, desc)
+        code, seg = self._check_and_reserve(conn, desc, revalidate)
         if seg is None:
             conn.stats.error(code)
             self._reply(conn, Op.READ, req_id, code)
@@ -458,7 +463,7 @@ class DataPlaneServer:
         if reader.spinner is not None:  # the client's next request comes once it has taken these bytes in
             reader.spinner.window = spin_window(self._spin_s, desc.part_length)
 
-    def _readv(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+    def _readv(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, revalidate: int) -> None:
         """Several READs in one frame (frames.py): every entry checked as a READ, one answer for all."""
         if length > MAX_VECTOR_DESCS:
             raise _Close(ErrorCode.BAD_FRAME, f"READV payload of {length} bytes", req_id, Op.READV)
@@ -475,7 +480,7 @@ class DataPlaneServer:
         reserved = 0
         try:
             for desc in descs:
-                code, chunk = self._readv_entry(conn, desc)
+                code, chunk = self._readv_entry(conn, desc, revalidate)
                 codes.append(int(code))
                 if chunk is None:
                     conn.stats.error(code)
@@ -497,14 +502,16 @@ class DataPlaneServer:
             self.limits.release(conn.client, reserved)
         conn.stats.bytes_read += payload
 
-    def _readv_entry(self, conn: _Conn, desc: TransferDesc) -> tuple[ErrorCode, memoryview | bytes | None]:
+    def _readv_entry(
+        self, conn: _Conn, desc: TransferDesc, revalidate: int
+    ) -> tuple[ErrorCode, memoryview | bytes | None]:
         """One READV entry: its bytes (a view of the segment, reserved in the client's in-flight budget;
         or bytes read from the SSD tier), or None and the failure's code."""
         tier = self._tiers.get(desc.grant.segment_id)
         if tier is not None:
             code, value = read_tier_part(tier[0], tier[1], desc, self._clock.wall_ms())
             return code, value
-        code, seg = self._check_and_reserve(conn, desc)
+        code, seg = self._check_and_reserve(conn, desc, revalidate)
         if seg is None:
             return code, None
         start = desc.grant.offset + desc.part_offset
@@ -640,16 +647,22 @@ class DataPlaneServer:
             conn.stats.error(code)
         self._reply(conn, Op.RECORD, req_id, code)
 
-    def _check_and_reserve(self, conn: _Conn, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
+    def _check_and_reserve(
+        self, conn: _Conn, desc: TransferDesc, revalidate: int = 0
+    ) -> tuple[ErrorCode, ShmSegment | None]:
         """``_check``, then take the part's bytes from the client's in-flight budget (released by the
         caller once the bytes have moved)."""
-        code, seg = self._check(desc)
+        code, seg = self._check(desc, revalidate, conn.stats)
         if seg is not None and not self.limits.reserve(conn.client, desc.part_length):
             return ErrorCode.TOO_MANY_BYTES_IN_FLIGHT, None
         return code, seg
 
-    def _check(self, desc: TransferDesc) -> tuple[ErrorCode, ShmSegment | None]:
-        """Authorize one request; the segment only when every check passed."""
+    def _check(
+        self, desc: TransferDesc, revalidate: int = 0, stats: _ConnStats | None = None
+    ) -> tuple[ErrorCode, ShmSegment | None]:
+        """Authorize one request; the segment only when every check passed. A READ that asks to be
+        ``revalidate``d (FLAG_REVALIDATE) and whose grant has ended is served while this store still
+        holds exactly that object, untouched since it was written (decision 0014)."""
         g = desc.grant
         seg = self._segments.get(g.segment_id)
         secret = self._secrets.get(g.segment_id)
@@ -657,10 +670,17 @@ class DataPlaneServer:
             return ErrorCode.SEGMENT_NOT_FOUND, None
         if not verify(secret, g):
             return ErrorCode.AUTH_FAILED, None
-        if self._clock.wall_ms() >= g.expiry_ms:
-            return ErrorCode.GRANT_EXPIRED, None
         if desc.part_offset + desc.part_length > g.length or g.offset + g.length > seg.size:
             return ErrorCode.OUT_OF_BOUNDS, None
+        if self._clock.wall_ms() >= g.expiry_ms:
+            if not (
+                revalidate
+                and g.op == GrantOp.READ
+                and self._inventory.holds(g.segment_id, g.offset, g.length, g.key, desc.checksum)
+            ):
+                return ErrorCode.GRANT_EXPIRED, None
+            if stats is not None:
+                stats.reads_revalidated += 1
         return ErrorCode.OK, seg
 
     @staticmethod

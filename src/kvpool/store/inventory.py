@@ -268,6 +268,14 @@ class Inventory:
             return claims.committed
 
     # ------------------------------------------------------------------ reports
+    def holds(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int) -> bool:
+        """Whether exactly this object is fully written at ``offset`` (and nothing has begun overwriting
+        it): what a revalidated read, whose grant has ended, is served on."""
+        with self._lock:
+            claims = self._segments.get(segment_id)
+            claim = claims.by_offset.get(offset) if claims else None
+            return claim is not None and claim.entry is not None and claim.same_object(key, offset, length, checksum)
+
     def entries(self, segment_id: int) -> list[InventoryEntry]:
         """Committed objects of one segment, by offset."""
         with self._lock:

@@ -359,6 +359,11 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("kvpool_store_bytes_written", "Bytes written by clients", value=s.bytes_written)
         yield CounterMetricFamily("kvpool_store_requests", "Data-plane requests", value=s.requests)
         yield CounterMetricFamily(
+            "kvpool_store_reads_revalidated",
+            "Reads served on an ended grant because this store still holds the object (decision 0014)",
+            value=s.reads_revalidated,
+        )
+        yield CounterMetricFamily(
             "kvpool_store_connections_rejected",
             "Connections refused (total or per-client limit)",
             value=s.connections_rejected,

@@ -55,6 +55,8 @@ class TransferRequest(NamedTuple):
     WRITE: ``checksum`` is recorded in the store's inventory; a :class:`LazyChecksum` is computed by the
     transport when it sends the bytes. READ with ``verify``: ``checksum`` is the object's, and the
     transport compares the landed bytes with it (CHECKSUM_MISMATCH if they differ), as soon as they land.
+    READ with ``revalidate``: the replica's grant may have ended; the store serves the read if it still
+    holds exactly this object (decision 0014; only a transport with ``revalidates_reads`` takes these).
     """
 
     op: GrantOp
@@ -63,6 +65,7 @@ class TransferRequest(NamedTuple):
     buffer: memoryview
     checksum: int | LazyChecksum = 0
     verify: bool = False
+    revalidate: bool = False
 
     def write_checksum(self) -> int:
         return checksum_value(self.checksum)
@@ -96,6 +99,9 @@ class Transport(ABC):
     name: str = "abstract"
     verifies_reads: bool = False
     """Whether READs with ``verify`` are checked by the transport itself (else TransportSet checks them)."""
+    revalidates_reads: bool = False
+    """Whether a READ with ``revalidate`` (an ended grant) goes to the store, which checks that it still
+    holds the object. Transports that touch the segment without the store (shm, RDMA) cannot."""
 
     def register_memory(self, buffer: memoryview) -> None:  # noqa: B027 - optional hook, no-op by default
         """Make ``buffer`` usable as a zero-copy source/destination (RDMA registers an MR)."""

@@ -46,6 +46,11 @@ class TransportSet:
         then same node first (memcpy beats any network)."""
         return sorted(replicas, key=lambda r: (r.tier != 0, r.node != self._node))
 
+    def revalidating(self, replicas: Sequence[Replica]) -> list[Replica]:
+        """The DRAM replicas, in read preference, whose transport sends a revalidated READ to the store
+        (a transport that reads the segment itself could not ask the store whether the object is there)."""
+        return [r for r in self.order(replicas) if r.tier == 0 and self._transports[self._pick(r)].revalidates_reads]
+
     def _pick(self, replica: Replica) -> int:
         for index, transport in enumerate(self._transports):
             if transport.can_reach(replica):

@@ -59,6 +59,7 @@ from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto.frames import (
     DESC,
+    FLAG_REVALIDATE,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -404,7 +405,7 @@ class _ReadCheck:
 class _Part:
     """One request on the wire: a part of one object (or a control op, with no replica)."""
 
-    __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply", "check")
+    __slots__ = ("index", "op", "view", "replica", "key", "checksum", "part_offset", "reply", "check", "flags")
 
     def __init__(
         self,
@@ -416,6 +417,7 @@ class _Part:
         checksum: int | LazyChecksum = 0,
         part_offset: int = 0,
         check: _ReadCheck | None = None,
+        flags: int = 0,
     ) -> None:
         self.index = index  # the request's position in its batch
         self.op = op
@@ -426,6 +428,7 @@ class _Part:
         self.part_offset = part_offset
         self.reply = b""  # STORE_INFO's payload
         self.check = check  # READ with verify: the bytes are checked once the request's last part lands
+        self.flags = flags  # the frame header's flags: FLAG_REVALIDATE for a revalidated READ
 
     def desc_fields(self) -> tuple[int, int, int, int, int, int, int, int, bytes]:
         """The values of this part's DESC (frames.DESC's layout)."""
@@ -448,7 +451,7 @@ class _Part:
             return HEADER.pack(MAGIC, self.op, 0, 0, req_id, 0)
         key = self.key
         length = DESC.size + len(key) + (len(self.view) if self.op == Op.WRITE else 0)
-        return _REQUEST.pack(MAGIC, self.op, 0, 0, req_id, length, *self.desc_fields()) + key
+        return _REQUEST.pack(MAGIC, self.op, self.flags, 0, req_id, length, *self.desc_fields()) + key
 
 
 def _vector_frame(req_id: int, parts: list[_Part]) -> bytes:
@@ -459,7 +462,7 @@ def _vector_frame(req_id: int, parts: list[_Part]) -> bytes:
         HEADER.pack(
             MAGIC,
             Op.WRITEV if parts[0].op == Op.WRITE else Op.READV,
-            0,
+            FLAG_REVALIDATE if any(part.flags for part in parts) else 0,
             0,
             req_id,
             VECTOR_COUNT.size + len(entries) + payload,
@@ -1112,6 +1115,7 @@ class TcpTransport(Transport):
 
     name = "tcp"
     verifies_reads = True
+    revalidates_reads = True
 
     def __init__(
         self,
@@ -1279,11 +1283,12 @@ class TcpTransport(Transport):
             return ErrorCode.KEY_TOO_LONG
         n_parts = max(1, -(-length // self.stripe_bytes))
         check = _ReadCheck(req, n_parts) if req.verify and op == Op.READ else None
+        flags = FLAG_REVALIDATE if req.revalidate and op == Op.READ else 0
         if n_parts == 1:
-            return [_Part(index, op, view[:length], replica, req.key, req.checksum, 0, check)]
+            return [_Part(index, op, view[:length], replica, req.key, req.checksum, 0, check, flags)]
         size = -(-length // n_parts)  # near-equal parts, so every lane finishes at about the same time
         return [
-            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off, check)
+            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off, check, flags)
             for off in range(0, length, size)
         ]
 

@@ -1,6 +1,6 @@
 """LeaseCache: entries live until a margin before their lease (or grant) ends; bounded, LRU; a read in the
 last third of an entry's life asks once for its renewal. LeaseRenewer: renewals in batches, off the
-caller's thread."""
+caller's thread. Hints: ended entries kept where the object was (decision 0014)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
+from kvpool.client.lease_cache import RENEW_RETRY_MS, LeaseCache, LeaseRenewer
 from kvpool.common.clock import ManualClock
 
 
@@ -151,6 +151,61 @@ def test_a_renewal_that_overlapped_a_drop_keeps_nothing() -> None:
     cache.clear()
     cache.put("kept", _result(clock, 10), unless_dropped_since=now)
     assert cache.get("kept") is None
+
+
+def test_an_ended_entry_is_kept_as_a_hint_that_asks_for_its_renewal() -> None:
+    """keep_hints (decision 0014): after its lease, an entry still says where the object was."""
+    clock = ManualClock()
+    due: list[str] = []
+    cache = LeaseCache(10, clock, margin_ms=1000, on_renewal_due=due.append, keep_hints=True)
+    first = _result(clock, lease_s=10)
+    cache.put("k", first)
+    assert cache.keeps_hints
+    assert cache.hint("k") is None  # a live entry is no hint: get() serves it
+    clock.advance(9.5)
+    assert cache.get("k") is None
+    assert cache.hint("k") is first
+    assert due == []  # a hint nobody reads from asks for nothing
+    cache.hint_used("k")
+    cache.hint_used("k")
+    assert due == ["k"]  # asked once ...
+    clock.advance(RENEW_RETRY_MS / 1000 + 0.01)
+    assert cache.hint("k") is first
+    cache.hint_used("k")
+    assert due == ["k", "k"]  # ... and again if that renewal did not land
+    renewed = _result(clock, lease_s=10)
+    cache.put("k", renewed)
+    assert cache.get("k") is renewed
+    assert cache.hint("k") is None
+    assert cache.hint("never-cached") is None
+
+
+def test_hints_go_with_a_drop_an_uncacheable_answer_and_the_lru_bound() -> None:
+    clock = ManualClock()
+    cache = LeaseCache(2, clock, keep_hints=True)
+    for key in ("a", "b", "c"):
+        cache.put(key, _result(clock, 10))
+    clock.advance(20)
+    assert cache.hint("a") is None  # pushed out by "c"
+    assert cache.hint("b") is not None
+    cache.drop(["b"])
+    assert cache.hint("b") is None
+    ssd_only = _result(clock, 10)
+    ssd_only.replicas[0].tier = 1
+    cache.put("c", ssd_only)
+    assert cache.hint("c") is None
+    assert len(cache) == 0
+
+
+def test_without_keep_hints_an_ended_entry_is_gone() -> None:
+    clock = ManualClock()
+    cache = LeaseCache(10, clock)
+    cache.put("k", _result(clock, 10))
+    clock.advance(9.5)
+    assert not cache.keeps_hints
+    assert cache.get("k") is None
+    assert cache.hint("k") is None
+    assert len(cache) == 0
 
 
 class _Calls:

@@ -48,3 +48,28 @@ def test_a_verifying_transport_is_trusted() -> None:
     out = bytearray(10)
     codes = TransportSet([FakeMemoryTransport(data, verifies=True)]).transfer([_read(1, out)], Deadline(1))
     assert codes == [ErrorCode.OK]  # the fake claims to verify and does not: the set does not hash again
+
+
+class _NodeTransport(FakeMemoryTransport):
+    """A fake that reaches only the replicas of one node (as shm does), revalidating or not."""
+
+    def __init__(self, node: str | None, revalidates: bool) -> None:
+        super().__init__(b"", verifies=True)
+        self.node = node
+        self.revalidates_reads = revalidates
+
+    def can_reach(self, replica: Replica) -> bool:
+        return self.node is None or replica.node == self.node
+
+
+def test_only_dram_replicas_of_a_revalidating_transport_take_revalidated_reads() -> None:
+    """A transport that touches the segment itself (shm, RDMA) cannot ask the store whether the object
+    is still there (decision 0014): its replicas, and SSD-tier ones, are left out."""
+    local = Replica(1, "here", "127.0.0.1:1", "/dev/shm/x", 0, 10, 0, b"")
+    remote = Replica(2, "there", "127.0.0.1:2", "", 0, 10, 0, b"")
+    on_ssd = Replica(3, "there", "127.0.0.1:2", "", 0, 10, 0, b"", tier=1)
+    transports = TransportSet(
+        [_NodeTransport("here", revalidates=False), _NodeTransport(None, revalidates=True)], "here"
+    )
+    assert transports.revalidating([on_ssd, local, remote]) == [remote]
+    assert transports.revalidating([local]) == []

@@ -140,6 +140,27 @@ def test_drop_also_forgets_a_partial_write() -> None:
     assert not inv.record_part(SEG, 0, 100, b"a", 1, 10, 90)  # starts over
 
 
+def test_holds_exactly_one_committed_untouched_object() -> None:
+    """What a revalidated read is served on (decision 0014)."""
+    inv = Inventory()
+    write_whole(inv, 0, 100, b"a", 42)
+    assert inv.holds(SEG, 0, 100, b"a", 42)
+    for wrong in [
+        (SEG + 1, 0, 100, b"a", 42),
+        (SEG, 0, 99, b"a", 42),
+        (SEG, 0, 100, b"b", 42),
+        (SEG, 0, 100, b"a", 43),
+    ]:
+        assert not inv.holds(*wrong)
+    inv.record_part(SEG, 200, 100, b"half", 5, 0, 50)
+    assert not inv.holds(SEG, 200, 100, b"half", 5)  # not every byte arrived
+    inv.begin_write(SEG, 50, 100, b"over", 6)  # the next object begins to land over "a"
+    assert not inv.holds(SEG, 0, 100, b"a", 42)
+    write_whole(inv, 1000, 10, b"c", 7)
+    assert inv.drop(SEG, 1000)
+    assert not inv.holds(SEG, 1000, 10, b"c", 7)
+
+
 def test_segments_are_independent_and_can_be_dropped_whole() -> None:
     inv = Inventory()
     write_whole(inv, 0, 100, b"a", seg=1)
