@@ -43,7 +43,7 @@ SINGLE = 64 << 10
 LARGE = (1 << 20, 4 << 20)
 
 
-def serve(size: int, socket_buffer: int) -> None:
+def serve(size: int, socket_buffer: int, spin_us: int = 0) -> None:
     """Store process: one segment, one data plane; prints its coordinates, serves until stdin closes."""
     from kvpool.store.dataplane import DataPlaneServer
     from kvpool.store.inventory import Inventory
@@ -52,7 +52,9 @@ def serve(size: int, socket_buffer: int) -> None:
     secret = new_secret()
     seg = ShmSegment.create("/dev/shm", f"kvpool-bench-{os.getpid()}", size)
     seg.prefault()
-    server = DataPlaneServer("127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(), socket_buffer=socket_buffer)
+    server = DataPlaneServer(
+        "127.0.0.1", 0, {seg.id: seg}, {seg.id: secret}, Inventory(), socket_buffer=socket_buffer, spin_us=spin_us
+    )
     server.start()
     print(json.dumps({"port": server.port, "segment_id": seg.id, "secret": secret.hex()}), flush=True)
     try:
@@ -80,10 +82,11 @@ class Store:
         self.proc.wait(timeout=10)
 
 
-def start_store(size: int = SEGMENT_BYTES, socket_buffer: int = SOCKET_BUFFER) -> Store:
+def start_store(size: int = SEGMENT_BYTES, socket_buffer: int = SOCKET_BUFFER, spin_us: int = 0) -> Store:
+    """A store process (``serve``); ``spin_us`` as the store's ``--spin-us`` (0: it never polls)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(size), "--sockbuf", str(socket_buffer)],
+        [sys.executable, __file__, "--serve", str(size), "--sockbuf", str(socket_buffer), "--spin-us", str(spin_us)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -252,9 +255,10 @@ def main() -> int:
     parser.add_argument("--sockbuf", type=int, default=SOCKET_BUFFER)
     parser.add_argument("--inflight", type=int, default=None, help="default: two stripes, >= 2 MiB")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--spin-us", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.sockbuf)
+        serve(args.serve, args.sockbuf, args.spin_us)
         return 0
     result = run(args.rounds, args.slice, args.connections, args.stripe, args.window, args.sockbuf, args.inflight)
     if args.json:

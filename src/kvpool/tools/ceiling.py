@@ -95,6 +95,11 @@ class RawTcpPeer:
         self._dest = memoryview(bytearray(max_size))
         self._spread: mmap.mmap | None = None
 
+    @property
+    def server_pid(self) -> int:
+        """The raw server process (benchmarks that count CPU time count it with the caller's)."""
+        return self._proc.pid
+
     def measure(self, size: int, seconds: float, spread: bool = False) -> TcpResult:
         """Synchronous ``size``-byte responses for about ``seconds``: GB/s and p50 latency.
 
