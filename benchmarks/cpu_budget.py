@@ -54,7 +54,7 @@ from kvpool.store.config import StoreConfig  # noqa: E402
 from kvpool.tools.ceiling import RawTcpPeer  # noqa: E402
 from kvpool.tools.local_cluster import LocalCluster  # noqa: E402
 from kvpool.transfer.base import TransferRequest  # noqa: E402
-from kvpool.transfer.tcp import TcpTransport, tune_socket  # noqa: E402
+from kvpool.transfer.tcp import TcpTransport, recv_all_into, tune_socket  # noqa: E402
 
 CALL_BYTES = 32 << 20
 SIZES = (1 << 20, 4 << 20)
@@ -153,9 +153,10 @@ class KvpoolBatched:
         self._puts = 0
         self._src_views = {size: self._views(self._src, size) for size in SIZES}
         self._dst_views = {size: self._views(self._dst, size) for size in SIZES}
-        for size in SIZES:
-            for call in range(GET_DATASET_CALLS):
-                self._put(self._keys("get", size, call), size)
+        self._get_keys = {size: [self._keys("get", size, call) for call in range(GET_DATASET_CALLS)] for size in SIZES}
+        for size, calls in self._get_keys.items():
+            for keys in calls:
+                self._put(keys, size)
 
     def _views(self, buf: mmap.mmap, size: int) -> list[memoryview]:
         view = memoryview(buf)
@@ -177,8 +178,8 @@ class KvpoolBatched:
         while meter.seconds < seconds:
             if op == "get":
                 with meter.timing():
-                    for call in range(GET_DATASET_CALLS):
-                        codes = self.client.batch_get_into(self._keys("get", size, call), dst)
+                    for keys in self._get_keys[size]:
+                        codes = self.client.batch_get_into(keys, dst)
                         if any(c != size for c in codes):
                             raise RuntimeError(f"batched get failed: {sorted(set(codes))}")
                 moved += GET_DATASET_CALLS * CALL_BYTES
@@ -219,14 +220,6 @@ def _latency(call: Callable[[int], None], seconds: float) -> tuple[float, float]
     return statistics.median(latencies) * 1e6, statistics.fmean(latencies) * 1e6
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if not got:
-            raise ConnectionError("store closed the connection")
-        view = view[got:]
-
-
 class BareFrames:
     """Single READs written by hand: one header + descriptor out, one header + value back."""
 
@@ -245,11 +238,11 @@ class BareFrames:
 
     def get(self, i: int) -> None:
         self._sock.sendall(self._frames[i % SINGLE_KEYS])
-        _recv_exact(self._sock, self._header)
+        recv_all_into(self._sock, self._header)
         _magic, _op, _flags, status, _req_id, length = HEADER.unpack(self._header)
         if status or length != SINGLE:
             raise RuntimeError(f"bare READ answered status {status}, {length} bytes")
-        _recv_exact(self._sock, self._value)
+        recv_all_into(self._sock, self._value)
 
     def close(self) -> None:
         self._sock.close()

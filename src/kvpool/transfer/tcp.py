@@ -462,6 +462,8 @@ def _vector_frame(req_id: int, parts: list[_Part]) -> bytes:
         HEADER.pack(
             MAGIC,
             Op.WRITEV if parts[0].op == Op.WRITE else Op.READV,
+            # One flag for the whole frame: an entry that did not ask to be revalidated and whose grant
+            # ended meanwhile may then be sent, but its reader still refuses it (the lease check).
             FLAG_REVALIDATE if any(part.flags for part in parts) else 0,
             0,
             req_id,
