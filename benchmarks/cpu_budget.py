@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.dataplane_quick import Store, start_store  # noqa: E402
+from benchmarks.dataplane_quick import Store, call_latencies, start_store  # noqa: E402
 from kvpool.client import ClientConfig, PoolClient  # noqa: E402
 from kvpool.common.checksum import checksum  # noqa: E402
 from kvpool.common.clock import Deadline  # noqa: E402
@@ -206,17 +206,7 @@ def _latency(call: Callable[[int], None], seconds: float) -> tuple[float, float]
     """(p50, mean) microseconds of ``call(i)`` repeated for about ``seconds`` after a short warm-up."""
     for i in range(200):
         call(i)
-    latencies: list[float] = []
-    end = time.perf_counter() + seconds
-    i = 0
-    while True:
-        started = time.perf_counter()
-        call(i)
-        now = time.perf_counter()
-        latencies.append(now - started)
-        i += 1
-        if now >= end:
-            break
+    latencies = call_latencies(call, seconds)
     return statistics.median(latencies) * 1e6, statistics.fmean(latencies) * 1e6
 
 

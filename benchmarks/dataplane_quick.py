@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,17 +124,27 @@ def _batch_gbps(transport: TcpTransport, reqs: list[TransferRequest], seconds: f
             return rounds * nbytes / elapsed / 1e9
 
 
-def _latencies(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> list[float]:
+def call_latencies(call: Callable[[int], None], seconds: float) -> list[float]:
+    """Seconds taken by each ``call(i)``, i = 0, 1, ..., called one after another for about ``seconds``."""
     lat: list[float] = []
     end = time.perf_counter() + seconds
+    i = 0
     while True:
         t0 = time.perf_counter()
-        codes = transport.transfer(reqs, Deadline(5))
+        call(i)
         t1 = time.perf_counter()
-        assert codes == [0], codes
         lat.append(t1 - t0)
+        i += 1
         if t1 >= end:
             return lat
+
+
+def _latencies(transport: TcpTransport, reqs: list[TransferRequest], seconds: float) -> list[float]:
+    def once(_i: int) -> None:
+        codes = transport.transfer(reqs, Deadline(5))
+        assert codes == [0], codes
+
+    return call_latencies(once, seconds)
 
 
 class Workload:
