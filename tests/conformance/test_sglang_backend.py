@@ -184,13 +184,25 @@ def test_the_factory_builds_a_real_hicache_storage(sgl: SimpleNamespace, backend
 
 def test_client_tuning_comes_from_the_extra_config(backends: Backends) -> None:
     backend = backends(
-        connections_per_store="2", lease_cache_entries=7, lease_renewal="false", use_shm="no", revalidate_reads="0"
+        connections_per_store="2",
+        lease_cache_entries=7,
+        lease_renewal="false",
+        use_shm="no",
+        revalidate_reads="0",
+        native_lanes="off",
     )
     cfg = backend.pool.config
-    tuning = (cfg.connections_per_store, cfg.lease_cache_entries, cfg.lease_renewal, cfg.use_shm, cfg.revalidate_reads)
-    assert tuning == (2, 7, False, False, False)
-    assert backends().pool.config.lease_renewal is True
-    assert backends().pool.config.revalidate_reads is True
+    tuning = (
+        cfg.connections_per_store,
+        cfg.lease_cache_entries,
+        cfg.lease_renewal,
+        cfg.use_shm,
+        cfg.revalidate_reads,
+        cfg.native_lanes,
+    )
+    assert tuning == (2, 7, False, False, False, False)
+    defaults = backends().pool.config
+    assert (defaults.lease_renewal, defaults.revalidate_reads, defaults.native_lanes) == (True, True, True)
 
 
 # ----------------------------------------------------------------------------------------- zero copy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,17 @@ def start_store(tmp: Path, port: int = 0, **kwargs: object) -> Store:
     server = DataPlaneServer("127.0.0.1", port, {seg.id: seg}, {seg.id: secret}, inventory, **kwargs)  # type: ignore[arg-type]
     server.start()
     return Store(f"127.0.0.1:{server.port}", seg.id, secret, server, seg, inventory)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def lane_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs with the compiled READ loop (kvpool.transfer._lanes) and with the Python
+    one: both must move the same bytes and answer every fault with the same codes."""
+    if request.param == "python":
+        monkeypatch.setattr(tcp, "native_available", lambda: False)
+    elif tcp.native_lanes is None:
+        pytest.skip("kvpool.transfer._lanes was not built")
+    return str(request.param)
 
 
 @pytest.fixture
@@ -459,6 +471,162 @@ def test_a_readv_answer_that_contradicts_itself_is_bad_frame(
     finally:
         t.close()
         liar.close()
+
+
+def test_large_parts_take_the_native_loop_with_their_own_codes(
+    store: Store, threads_settle: None, monkeypatch: pytest.MonkeyPatch, lane_loop: str
+) -> None:
+    """Writes and reads of 1 MiB on one lane are one native job each (where built): every part gets its
+    own code, a refused part does not disturb the others, and every byte lands in its place, verified."""
+    calls: list[int] = []
+    if lane_loop == "native":
+        real = tcp.native_lanes.pipeline
+
+        def counting(fd: int, frames: list[bytes], *args: Any) -> Any:
+            calls.append(len(frames))
+            return real(fd, frames, *args)
+
+        monkeypatch.setattr(tcp.native_lanes, "pipeline", counting)
+    t = TcpTransport(connections_per_endpoint=1, stripe_bytes=4 << 20)
+    try:
+        offsets, values = put_values(t, store, [1 << 20] * 5)
+        requests, outs = verified_reads(store, offsets, values)
+        past = time.time_ns() // 1_000_000 - 1
+        requests[1] = requests[1]._replace(replica=requests[1].replica._replace(mac=bytes(16)))
+        requests[3] = requests[3]._replace(
+            replica=store.replica(GrantOp.READ, b"k3", offsets[3], 1 << 20, expiry_ms=past)
+        )
+        assert t.transfer(requests, Deadline(10.0)) == [
+            ErrorCode.OK,
+            ErrorCode.AUTH_FAILED,
+            ErrorCode.OK,
+            ErrorCode.GRANT_EXPIRED,
+            ErrorCode.OK,
+        ]
+    finally:
+        t.close()
+    assert [outs[i] == values[i] for i in range(5)] == [True, False, True, False, True]
+    assert outs[1] == outs[3] == bytearray(1 << 20)  # a refused part's buffer is never written
+    assert calls == ([5, 5] if lane_loop == "native" else [])
+
+
+class ScriptedServer(OneConnectionStore):
+    """Answers the first READ or WRITE with ``reply(req_id)`` (header and payload bytes), then hangs up."""
+
+    def __init__(self, reply: Callable[[int], bytes]) -> None:
+        self.reply = reply
+        super().__init__()
+
+    def answer(self, conn: socket.socket, req_id: int) -> None:
+        with contextlib.suppress(OSError):
+            conn.sendall(self.reply(req_id))
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("reply", "code"),
+    [
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, 0, rid, 2 * MIB) + b"x" * 2 * MIB,
+            ErrorCode.BAD_FRAME,
+            id="more-bytes-than-asked",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, 0, rid, MIB // 2) + b"x" * (MIB // 2),
+            ErrorCode.BAD_FRAME,
+            id="fewer-bytes-than-asked",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, 0, rid + 7, MIB) + b"x" * MIB,
+            ErrorCode.BAD_FRAME,
+            id="another-request-id",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(0x12345678, Op.READ, 0, 0, rid, MIB) + b"x" * MIB,
+            ErrorCode.BAD_FRAME,
+            id="bad-magic",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, int(ErrorCode.OBJECT_NOT_FOUND), rid, 10) + b"x" * 10,
+            ErrorCode.BAD_FRAME,
+            id="a-payload-with-a-failure",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, int(ErrorCode.OBJECT_NOT_FOUND), rid, 0),
+            ErrorCode.OBJECT_NOT_FOUND,
+            id="a-plain-failure",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, int(ErrorCode.TOO_MANY_CONNECTIONS), rid, 0),
+            ErrorCode.TOO_MANY_CONNECTIONS,
+            id="a-closing-failure",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.HELLO, 0, int(ErrorCode.AUTH_FAILED), rid, 0),
+            ErrorCode.AUTH_FAILED,
+            id="token-refused",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.READ, 0, 0, rid, MIB) + b"x" * 1000,
+            ErrorCode.CONNECTION_FAILED,
+            id="hang-up-mid-payload",
+        ),
+    ],
+)
+def test_a_hostile_answer_to_a_large_read(threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode) -> None:
+    """Whatever a store answers, the read gets the same code from both loops, and no byte lands in the
+    buffer unless the answer is an OK of exactly the bytes asked for."""
+    server = ScriptedServer(reply)
+    t = TcpTransport(connections_per_endpoint=1, reconnect_cooldown_s=0.0)
+    try:
+        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
+        buf = bytearray(b"\xee" * MIB)
+        assert t.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(5.0)) == [code]
+    finally:
+        t.close()
+        server.close()
+    if code != ErrorCode.CONNECTION_FAILED:
+        assert buf == b"\xee" * MIB
+    else:  # the read failed and its buffer is scratch; still nothing past the bytes that came
+        assert buf[1000:] == b"\xee" * (MIB - 1000)
+
+
+@pytest.mark.parametrize(
+    ("reply", "code"),
+    [
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.WRITE, 0, 0, rid, 10) + b"x" * 10, ErrorCode.BAD_FRAME, id="a-payload"
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.WRITE, 0, 0, rid + 1, 0), ErrorCode.BAD_FRAME, id="another-request-id"
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.WRITE, 0, int(ErrorCode.OUT_OF_BOUNDS), rid, 0),
+            ErrorCode.OUT_OF_BOUNDS,
+            id="a-plain-failure",
+        ),
+        pytest.param(
+            lambda rid: HEADER.pack(MAGIC, Op.WRITE, 0, int(ErrorCode.BAD_FRAME), rid, 0),
+            ErrorCode.BAD_FRAME,
+            id="a-closing-failure",
+        ),
+        pytest.param(lambda rid: b"", ErrorCode.CONNECTION_FAILED, id="hang-up-before-the-reply"),
+    ],
+)
+def test_a_hostile_answer_to_a_large_write(
+    threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode
+) -> None:
+    server = ScriptedServer(reply)
+    t = TcpTransport(connections_per_endpoint=1, reconnect_cooldown_s=0.0)
+    try:
+        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
+        value = memoryview(random_bytes(MIB))
+        assert t.transfer([s.request(GrantOp.WRITE, b"k", 0, value)], Deadline(5.0)) == [code]
+    finally:
+        t.close()
+        server.close()
 
 
 @pytest.mark.parametrize("buffer", [65536, 0])

@@ -42,6 +42,11 @@ class ClientConfig:
         "store still holds exactly that object, renewing the lease in the background: a re-read stays one "
         "round trip. Needs lease_renewal.",
     )
+    native_lanes: bool = option(
+        True,
+        "Move large TCP reads and writes (parts of 128 KiB and more) with the compiled lane loop "
+        "(kvpool.transfer._lanes) where it was built; False: the Python loop, as where it was not.",
+    )
     use_shm: bool = option(True, "Map same-node segments and copy with memcpy instead of TCP.")
     use_rdma: bool = option(True, "Use RDMA (pyverbs) where a device exists; without one, TCP (logged once).")
     breaker_backoff_s: float = option(

@@ -34,6 +34,7 @@ def make_transports(
     connections_per_store: int = 4,
     stripe_bytes: int = 1 << 20,
     spin_us: int = 0,
+    native_lanes: bool = True,
 ) -> list[Transport]:
     """The transports for a client on ``node``, best first; the last one (TCP) reaches every store.
 
@@ -54,7 +55,11 @@ def make_transports(
             transports.append(rdma)
     transports.append(
         TcpTransport(
-            connections_per_endpoint=connections_per_store, stripe_bytes=stripe_bytes, token=token, spin_us=spin_us
+            connections_per_endpoint=connections_per_store,
+            stripe_bytes=stripe_bytes,
+            token=token,
+            spin_us=spin_us,
+            native_lanes=native_lanes,
         )
     )
     return transports

@@ -38,6 +38,7 @@ class TransportSet:
             connections_per_store=config.connections_per_store,
             stripe_bytes=config.stripe_bytes,
             spin_us=getattr(config, "spin_us", 0),
+            native_lanes=getattr(config, "native_lanes", True),
         )
         return cls(transports, node)
 

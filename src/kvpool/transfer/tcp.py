@@ -28,6 +28,10 @@ Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncak
   blocked by the network. ``wait`` helps: a job no lane thread has started yet is run by the waiting
   thread itself (it would only block), and ``transfer`` does not even wake a lane thread for the first
   job. That saves two thread handoffs, most of the cost of a single small get.
+* **Native lane loop.** A job of large READs or WRITEs (parts of ``VECTOR_MAX_PART`` and more) runs in the compiled
+  :mod:`kvpool.transfer._lanes` where it was built: the same frames, window, checks and deadlines as
+  :meth:`_Lane._pipeline`, with the GIL released for the whole job instead of taken back around every
+  socket call (decision 0016). Python still builds the frames and verifies the checksums.
 * **Zero copy.** WRITE payloads go out with ``sendmsg([frame, memoryview])``; READ payloads are received with
   ``recv_into`` straight into the caller's memoryview. No intermediate bytes objects for payloads.
 * **Deadlines** are enforced by kernel socket timeouts (SO_RCVTIMEO / SO_SNDTIMEO on blocking sockets,
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import struct
@@ -56,7 +61,7 @@ from kvpool.common.checksum import LazyChecksum, checksum_value
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import GrantOp
-from kvpool.common.log import get_logger
+from kvpool.common.log import get_logger, log_once
 from kvpool.proto.frames import (
     DESC,
     FLAG_REVALIDATE,
@@ -72,6 +77,11 @@ from kvpool.proto.frames import (
 )
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 
+try:
+    from kvpool.transfer import _lanes as native_lanes
+except ImportError:  # built without a C compiler: the Python loop moves every part
+    native_lanes = None  # type: ignore[assignment]
+
 logger = get_logger(__name__)
 
 SOCKET_BUFFER = 4 << 20
@@ -82,6 +92,7 @@ _REQUEST = struct.Struct(HEADER.format + DESC.format.lstrip("<@=!>"))
 _TIMEVAL = struct.Struct("@ll")
 # Replies after which the store closes the connection.
 _CLOSING_CODES = frozenset((ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.BAD_FRAME, ErrorCode.UNKNOWN_OP))
+_CLOSING_STATUSES = tuple(int(code) for code in _CLOSING_CODES)
 # Single requests up to this size poll for their answer (TcpTransport.spin_s); a larger one takes long
 # enough that a wake-up is a small part of it, and polling would take the CPU from the copy.
 _SPIN_MAX_BYTES = 256 * 1024
@@ -882,6 +893,8 @@ class _Lane:
         next_send = job.done
         refill_at = window // 2
         try:
+            if self._t.native_lanes and self._native_job(job, sock, reader):
+                return
             if len(parts) - job.done == 1:  # one request: no window to keep (a single get or put)
                 part = parts[job.done]
                 self._req_id += 1
@@ -930,6 +943,58 @@ class _Lane:
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                 raise _Broken(ErrorCode.TIMEOUT, "deadline passed mid-transfer") from None
             raise _Broken(ErrorCode.CONNECTION_FAILED, str(exc)) from None
+
+    def _native_job(self, job: _Job, sock: socket.socket, reader: FrameReader) -> bool:
+        """Run the rest of ``job`` in the compiled loop (module docstring) if it is all large READs or all
+        large WRITEs and nothing is read ahead; False leaves it to the Python loop."""
+        parts = job.parts[job.done :]
+        op = parts[0].op
+        if reader.buffered or self._polls or op not in (Op.READ, Op.WRITE):
+            return False
+        if any(p.op != op or len(p.view) < VECTOR_MAX_PART for p in parts):
+            return False
+        first = self._req_id + 1
+        frames = [part.frame(first + i) for i, part in enumerate(parts)]  # computes WRITE checksums
+        self._req_id += len(parts)
+        self._rearm()  # also clears a timeout left from an earlier job when this one has no deadline
+        statuses, outcome, reply_op, message, self._armed = native_lanes.pipeline(
+            sock.fileno(),
+            frames,
+            [part.view for part in parts],
+            first,
+            self._window,
+            self._max_inflight,
+            self._at,
+            self._armed,
+            op,
+            Op.WRITE,
+            _CLOSING_STATUSES,
+        )
+        stop = statuses.pop() if outcome == native_lanes.STOPPED else None
+        for part, status in zip(parts, statuses, strict=False):  # the answered parts: a prefix
+            code = ErrorCode.OK if status == 0 else as_code(status)
+            if part.check is not None and code == ErrorCode.OK:
+                code = part.check.landed()
+            job.codes.append(code)
+        job.done += len(statuses)
+        if outcome != native_lanes.DONE:
+            raise self._native_failure(outcome, stop, reply_op, message)
+        return True
+
+    def _native_failure(self, outcome: int, stop: int | None, reply_op: int, message: str) -> _Broken:
+        """The _Broken that the Python loop raises for the same reply or socket error."""
+        if stop is not None:
+            code = as_code(stop)
+            if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:
+                return _Broken(code, f"store {self._ep.name} requires the cluster token")
+            if code in _CLOSING_CODES:
+                return _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
+            return _Broken(ErrorCode.BAD_FRAME, f"{code.name} in an op {reply_op} reply ({self._ep.name})")
+        if outcome == native_lanes.TIMED_OUT:
+            return _Broken(ErrorCode.TIMEOUT, message)
+        if outcome == native_lanes.BAD_FRAME:
+            return _Broken(ErrorCode.BAD_FRAME, f"{message} from {self._ep.name}")
+        return _Broken(ErrorCode.CONNECTION_FAILED, message)
 
     def _group(self, parts: list[_Part], first: int, room: int) -> list[_Part]:
         """The parts from ``first`` that one frame moves: a run of small READs or small WRITEs (at most
@@ -1112,6 +1177,19 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 # ---------------------------------------------------------------------- the transport
+def native_available() -> bool:
+    """Whether the compiled lane loop was built; logs once per process when it was not."""
+    if native_lanes is None:
+        log_once(
+            logger,
+            logging.WARNING,
+            "tcp-native-lanes",
+            "kvpool.transfer._lanes was not built (no C compiler or Python headers at install): large TCP "
+            "reads and writes use the Python loop",
+        )
+    return native_lanes is not None
+
+
 class TcpTransport(Transport):
     """READ/WRITE of object ranges on stores over pooled, pipelined, striped TCP connections."""
 
@@ -1131,6 +1209,7 @@ class TcpTransport(Transport):
         token: bytes = b"",
         spin_us: int = 0,
         vector_bytes: int = 512 << 10,
+        native_lanes: bool = True,
     ) -> None:
         if connections_per_endpoint < 1 or stripe_bytes < 1 or window < 1 or vector_bytes < 0:
             raise KvPoolError(
@@ -1152,6 +1231,8 @@ class TcpTransport(Transport):
         """A single small request polls this long for its answer before it blocks."""
         self.vector_bytes = vector_bytes
         """Payload bytes one READV/WRITEV frame moves at most (0: one READ or WRITE per part)."""
+        self.native_lanes = native_lanes and native_available()
+        """Whether jobs of large READs and WRITEs run in the compiled loop (module docstring)."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False

@@ -11,8 +11,8 @@ later in ``register_mem_pool_host``)::
 Extra-config keys (all optional): ``master`` (else ``KVPOOL_MASTER``), ``timeout_s`` (gets and puts, default
 5), ``lookup_timeout_s`` (``batch_exists``, default 0.5), ``tag`` (an extra namespace part, e.g. the KV
 dtype when one model is served with two), ``token_file``, ``cluster``, ``connections_per_store``,
-``replica_num``, ``spin_us``, ``lease_cache_entries``, ``lease_renewal``, ``revalidate_reads``, ``use_shm``.
-See docs/sglang.md.
+``replica_num``, ``spin_us``, ``lease_cache_entries``, ``lease_renewal``, ``revalidate_reads``, ``use_shm``,
+``native_lanes``. See docs/sglang.md.
 
 Keys (:class:`kvpool.common.keys.Namespace`, Mooncake's naming): ``<tag>_<model>_<hash>_<tp_rank>_k|_v`` for
 MHA (each TP rank stores its head shard), ``<tag>_<model>_<hash>__k`` for MLA (one copy shared by all
@@ -127,7 +127,7 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         for name in ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries"):
             if name in extra:
                 setattr(cfg, name, int(extra[name]))
-        for name in ("use_shm", "lease_renewal", "revalidate_reads"):
+        for name in ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes"):
             if name in extra:
                 setattr(cfg, name, str(extra[name]).strip().lower() in ("1", "true", "yes", "on"))
         return cfg

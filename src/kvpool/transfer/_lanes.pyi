@@ -1,0 +1,24 @@
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+DONE: int
+STOPPED: int
+BAD_FRAME: int
+TIMED_OUT: int
+CONNECTION_FAILED: int
+
+def pipeline(
+    fd: int,
+    frames: Sequence[Buffer],
+    buffers: Sequence[Buffer],
+    first_req_id: int,
+    window: int,
+    max_inflight: int,
+    at: float | None,
+    armed: float | None,
+    op: int,
+    write_op: int,
+    closing: Sequence[int],
+    /,
+) -> tuple[list[int], int, int, str, float | None]: ...
