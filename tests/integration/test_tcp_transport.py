@@ -525,6 +525,18 @@ class ScriptedServer(OneConnectionStore):
 MIB = 1 << 20
 
 
+def transfer_against(reply: Callable[[int], bytes], op: GrantOp, buf: memoryview) -> list[ErrorCode]:
+    """One ``op`` of ``buf`` on one lane, against a store that answers it with ``reply(req_id)``."""
+    server = ScriptedServer(reply)
+    t = TcpTransport(connections_per_endpoint=1, reconnect_cooldown_s=0.0)
+    try:
+        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
+        return t.transfer([s.request(op, b"k", 0, buf)], Deadline(5.0))
+    finally:
+        t.close()
+        server.close()
+
+
 @pytest.mark.parametrize(
     ("reply", "code"),
     [
@@ -578,15 +590,8 @@ MIB = 1 << 20
 def test_a_hostile_answer_to_a_large_read(threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode) -> None:
     """Whatever a store answers, the read gets the same code from both loops, and no byte lands in the
     buffer unless the answer is an OK of exactly the bytes asked for."""
-    server = ScriptedServer(reply)
-    t = TcpTransport(connections_per_endpoint=1, reconnect_cooldown_s=0.0)
-    try:
-        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
-        buf = bytearray(b"\xee" * MIB)
-        assert t.transfer([s.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(5.0)) == [code]
-    finally:
-        t.close()
-        server.close()
+    buf = bytearray(b"\xee" * MIB)
+    assert transfer_against(reply, GrantOp.READ, memoryview(buf)) == [code]
     if code != ErrorCode.CONNECTION_FAILED:
         assert buf == b"\xee" * MIB
     else:  # the read failed and its buffer is scratch; still nothing past the bytes that came
@@ -618,15 +623,7 @@ def test_a_hostile_answer_to_a_large_read(threads_settle: None, reply: Callable[
 def test_a_hostile_answer_to_a_large_write(
     threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode
 ) -> None:
-    server = ScriptedServer(reply)
-    t = TcpTransport(connections_per_endpoint=1, reconnect_cooldown_s=0.0)
-    try:
-        s = Store(f"127.0.0.1:{server.port}", 1, new_secret())
-        value = memoryview(random_bytes(MIB))
-        assert t.transfer([s.request(GrantOp.WRITE, b"k", 0, value)], Deadline(5.0)) == [code]
-    finally:
-        t.close()
-        server.close()
+    assert transfer_against(reply, GrantOp.WRITE, memoryview(random_bytes(MIB))) == [code]
 
 
 @pytest.mark.parametrize("buffer", [65536, 0])

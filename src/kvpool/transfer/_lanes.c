@@ -385,13 +385,10 @@ static PyObject *pipeline(PyObject *module, PyObject *args) {
     io_t io = {.fd = fd, .armed = -1.0, .message = ""};
     job_t job = {.first_req_id = first_req_id, .window = window, .max_inflight = max_inflight, .op = op};
     job.writes = op == write_op;
-    int has_armed = 0;
+    int has_armed; /* io.armed stays -1 (none set) when armed is None */
     if (parse_seconds(at_arg, &io.at, &io.has_deadline) != 0 || parse_seconds(armed_arg, &io.armed, &has_armed) != 0 ||
         parse_closing(closing_arg, &job) != 0) {
         return NULL;
-    }
-    if (!has_armed) {
-        io.armed = -1.0;
     }
     PyObject *frames = PySequence_Fast(frames_arg, "frames must be a sequence");
     if (frames == NULL) {
