@@ -51,6 +51,7 @@ from kvpool.common.clock import Deadline  # noqa: E402
 from kvpool.common.grants import GrantOp  # noqa: E402
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, Op  # noqa: E402
 from kvpool.store.config import StoreConfig  # noqa: E402
+from kvpool.tools.argtypes import positive_float, positive_int  # noqa: E402
 from kvpool.tools.ceiling import RawTcpPeer  # noqa: E402
 from kvpool.tools.local_cluster import LocalCluster  # noqa: E402
 from kvpool.transfer.base import TransferRequest  # noqa: E402
@@ -393,8 +394,8 @@ def _print_table(doc: dict[str, object]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--runs", type=int, default=3, help="rounds; every figure is the median over them")
-    parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per figure per round")
+    parser.add_argument("--runs", type=positive_int, default=3, help="rounds; every figure is the median over them")
+    parser.add_argument("--seconds", type=positive_float, default=2.0, help="timed seconds per figure per round")
     parser.add_argument(
         "--store-args",
         default="",

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ceiling import RawTcpPeer  # noqa: E402
 from kvpool.common.clock import Deadline  # noqa: E402
 from kvpool.common.grants import GrantOp, make_grant, new_secret  # noqa: E402
+from kvpool.tools.argtypes import positive_float, positive_int  # noqa: E402
 from kvpool.transfer.base import Replica, TransferRequest  # noqa: E402
 from kvpool.transfer.tcp import SOCKET_BUFFER, TcpTransport  # noqa: E402
 
@@ -258,13 +259,13 @@ def run(
 def main() -> int:
     parser = argparse.ArgumentParser(description="kvpool TCP data-path quick benchmark")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved ceiling/transport rounds")
-    parser.add_argument("--slice", type=float, default=0.5, help="seconds per measurement slice")
-    parser.add_argument("--connections", type=int, default=4)
-    parser.add_argument("--stripe", type=int, default=1 << 20)
-    parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--sockbuf", type=int, default=SOCKET_BUFFER)
-    parser.add_argument("--inflight", type=int, default=None, help="default: two stripes, >= 2 MiB")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved ceiling/transport rounds")
+    parser.add_argument("--slice", type=positive_float, default=0.5, help="seconds per measurement slice")
+    parser.add_argument("--connections", type=positive_int, default=4)
+    parser.add_argument("--stripe", type=positive_int, default=1 << 20)
+    parser.add_argument("--window", type=positive_int, default=16)
+    parser.add_argument("--sockbuf", type=positive_int, default=SOCKET_BUFFER)
+    parser.add_argument("--inflight", type=positive_int, default=None, help="default: two stripes, >= 2 MiB")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spin-us", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "conformance"))  # the transformers adapter lives with its test
 sys.path.insert(0, str(ROOT / "src"))
 
+from kvpool.tools.argtypes import positive_int  # noqa: E402
+
 PAGE = 64
 
 
@@ -117,10 +119,10 @@ def _prefill_with_pool(tl: Any, engine: Any, model: Any, full: list[int]) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
-    parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens (default 2048)")
-    parser.add_argument("--suffix", type=int, default=64, help="new tokens per request (default 64)")
-    parser.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    parser.add_argument("--runs", type=int, default=5, help="runs; medians are reported (default 5)")
+    parser.add_argument("--prefix", type=positive_int, default=2048, help="shared prefix tokens (default 2048)")
+    parser.add_argument("--suffix", type=positive_int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="model layers (default 4)")
+    parser.add_argument("--runs", type=positive_int, default=5, help="runs; medians are reported (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

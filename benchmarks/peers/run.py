@@ -748,13 +748,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
     parser.add_argument("--show", metavar="PATH", help="print the table of a saved JSON object and exit")
     args = parser.parse_args(argv)
+    for option in ("runs", "slices", "dataset_mib"):
+        if (value := getattr(args, option)) is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1, not {value}")
+    if args.seconds is not None and not args.seconds > 0:
+        parser.error(f"--seconds must be > 0, not {args.seconds}")
+    if args.redis_pipeline_bytes < 0:
+        parser.error(f"--redis-pipeline-bytes must be >= 0, not {args.redis_pipeline_bytes}")
     if args.show:
         print(human(json.loads(Path(args.show).read_text())))
         return 0
 
     runs = args.runs or (1 if args.quick else 3)
     seconds = args.seconds or (0.3 if args.quick else 1.0)
-    slices = max(1, args.slices or (2 if args.quick else 4))
+    slices = args.slices or (2 if args.quick else 4)
     dataset = (args.dataset_mib or (64 if args.quick else 256)) * MiB
     segment = 6 * dataset
     Redis.pipeline_bytes = args.redis_pipeline_bytes

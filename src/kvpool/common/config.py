@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvpool.common.envs import EnvVar
+from kvpool.common.errors import ErrorCode, KvPoolError
 
 C = TypeVar("C")
 
@@ -68,16 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tupl
         )
 
 
+def check_ports(off: int | None = None, **ports: int) -> None:
+    """ValueError unless every port is 0 (any free port), 1-65535, or ``off`` where one may be turned off."""
+    for name, port in ports.items():
+        if not (0 <= port <= 65535 or port == off):
+            allowed = "0-65535" + (f" or {off} (off)" if off is not None else "")
+            raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {port}")
+
+
 def from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
-    """Build ``cls`` from parsed args: unset options fall back to the env variable, then the default."""
+    """Build ``cls`` from parsed args: unset options fall back to the env variable, then the default.
+    A value the config refuses raises KvPoolError(INVALID_ARGUMENT) with the config's message."""
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = getattr(args, field.name, None)
         env = field.metadata.get("env")
         if value is None and env is not None and env.is_set():
             parse = field.metadata.get("parse")
-            value = parse(env.get()) if parse else env.get()
+            try:
+                value = parse(env.get()) if parse else env.get()
+            except ValueError as exc:
+                raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{env.name}={env.get()!r}: {exc}") from None
         if value is not None:
             values[field.name] = value
     values.update(overrides)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # __post_init__'s checks: a usage error, not a crash
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.common import envs
-from kvpool.common.config import option
+from kvpool.common.config import check_ports, option
 from kvpool.common.units import parse_duration, parse_size
 
 
@@ -92,5 +92,7 @@ class MasterConfig:
             raise ValueError("lease_ttl_s, put_timeout_s and store_ttl_s must be > 0")
         if not 0 < self.ssd_eviction_target <= self.ssd_high_watermark <= 1.0:
             raise ValueError("need 0 < ssd_eviction_target <= ssd_high_watermark <= 1")
+        check_ports(port=self.port, rpc_port=self.rpc_port)
+        check_ports(metrics_port=self.metrics_port, off=-1)
         if self.promote_after_hits < 0 or not 0 <= self.demote_max_pending <= 1 or self.tier_task_timeout_s <= 0:
             raise ValueError("promote_after_hits >= 0, 0 <= demote_max_pending <= 1, tier_task_timeout_s > 0")

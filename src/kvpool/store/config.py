@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.common import envs
-from kvpool.common.config import option
+from kvpool.common.config import check_ports, option
 from kvpool.common.units import parse_duration, parse_size
 
 
@@ -63,3 +63,5 @@ class StoreConfig:
             raise ValueError("per-client limits must be >= 0 (0 = no limit)")
         if self.spin_us < 0:
             raise ValueError("--spin-us must be >= 0")
+        check_ports(port=self.port)
+        check_ports(metrics_port=self.metrics_port, off=-1)

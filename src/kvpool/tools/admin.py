@@ -32,6 +32,7 @@ from kvpool.common.units import format_size
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools import admin_ops
+from kvpool.tools.argtypes import positive_float
 
 _STATUS_NAMES = {pb.SEGMENT_OK: "OK", pb.SEGMENT_DRAINING: "DRAINING", pb.SEGMENT_DRAINED: "DRAINED"}
 
@@ -186,7 +187,7 @@ def _add_common(parser: argparse.ArgumentParser, suppress: bool, call_timeout: b
     parser.add_argument("--cluster", default=default(envs.KVPOOL_CLUSTER.get()), help="cluster name (etcd key prefix)")
     parser.add_argument("--token-file", default=default(""), help="cluster token file (default: KVPOOL_TOKEN_FILE)")
     if call_timeout:
-        parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds per call")
+        parser.add_argument("--timeout", type=positive_float, default=default(10.0), help="seconds per call")
     parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON object")
 
 

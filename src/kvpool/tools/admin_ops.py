@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.units import format_size
 from kvpool.proto import master_pb2 as pb
+from kvpool.tools.argtypes import fraction, non_negative_float, non_negative_int
 
 __all__ = ["COMMANDS", "TRANSIENT", "WAITING", "add_arguments"]
 
@@ -330,15 +331,15 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--timeout",
             dest="wait_timeout",
-            type=float,
+            type=non_negative_float,
             default=DEFAULT_WAIT_S,
             help="seconds to wait for the end (default: 3600)",
         )
     if name == "rebalance":
-        p.add_argument("--max-moves", type=int, default=0, help="most objects to move (default: no limit)")
+        p.add_argument("--max-moves", type=non_negative_int, default=0, help="most objects to move (default: no limit)")
         p.add_argument(
             "--tolerance",
-            type=float,
+            type=fraction,
             default=0.05,
             help="stop when used fractions differ by at most this (default: 0.05)",
         )

@@ -24,6 +24,7 @@ import grpc
 from kvpool.common.clock import Deadline
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto import master_pb2_grpc as pb_grpc
+from kvpool.tools.argtypes import positive_float, positive_int
 
 
 @dataclass
@@ -241,9 +242,11 @@ def run_failover(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", type=int, default=3, help="failovers to measure (default 3); medians printed")
-    parser.add_argument("--leader-ttl-s", type=float, default=3.0, help="leader lease TTL (default: 3 s)")
-    parser.add_argument("--objects", type=int, default=400)
+    parser.add_argument(
+        "--runs", type=positive_int, default=3, help="failovers to measure (default 3); medians printed"
+    )
+    parser.add_argument("--leader-ttl-s", type=positive_float, default=3.0, help="leader lease TTL (default: 3 s)")
+    parser.add_argument("--objects", type=positive_int, default=400, help="objects written before each failover (400)")
     parser.add_argument("--json", action="store_true")
 
 

@@ -32,8 +32,11 @@ from kvpool.common.grants import new_secret
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto import master_pb2_grpc as pb_grpc
+from kvpool.tools.argtypes import int_at_least, positive_float, positive_int
 
 OBJECT_BYTES = 4096
+BASELINE_OBJECTS = 10_000
+"""master-memory measures lookups at this many objects first, then at --objects."""
 
 
 def hicache_key(i: int) -> str:
@@ -148,14 +151,19 @@ def _rss(pid: int) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per figure (default 1)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per figure; medians are reported")
+    parser.add_argument("--seconds", type=positive_float, default=1.0, help="seconds per figure (default 1)")
+    parser.add_argument("--runs", type=positive_int, default=3, help="runs per figure; medians are reported")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--objects", type=int, default=1_000_000, help="objects to index (default 1,000,000)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per lookup figure")
+    parser.add_argument(
+        "--objects",
+        type=int_at_least(2 * BASELINE_OBJECTS),
+        default=1_000_000,
+        help=f"objects to index (default 1,000,000; at least {2 * BASELINE_OBJECTS:,})",
+    )
+    parser.add_argument("--seconds", type=positive_float, default=1.0, help="seconds per lookup figure")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -227,12 +235,12 @@ def run_memory(args: argparse.Namespace) -> int:
         pid = cluster.masters[0].pid
         mount_fake_segment(endpoint, max(1 << 30, args.objects * OBJECT_BYTES * 2))
         master = MasterClient(endpoint)
-        small = [hicache_key(i) for i in range(10_000)]
+        small = [hicache_key(i) for i in range(BASELINE_OBJECTS)]
         fill(master, small)
         lookup_small = measure_hot_path(endpoint, small, args.seconds)
         rss_before = _rss(pid)
         started = time.perf_counter()
-        for start in range(10_000, args.objects, 100_000):
+        for start in range(BASELINE_OBJECTS, args.objects, 100_000):
             fill(master, [hicache_key(i) for i in range(start, min(args.objects, start + 100_000))])
             print(f"  indexed {min(args.objects, start + 100_000):,}/{args.objects:,}", file=sys.stderr)
         fill_seconds = time.perf_counter() - started

@@ -34,6 +34,7 @@ from kvpool.master.allocator import OffsetAllocator
 from kvpool.master.config import MasterConfig
 from kvpool.master.state import MasterState
 from kvpool.master.types import PutOptions, SegmentSpec
+from kvpool.tools.argtypes import fraction, positive_int
 
 __all__ = ["ConvergenceResult", "UtilisationResult", "add_arguments", "converge", "run", "utilisation"]
 
@@ -205,17 +206,17 @@ def converge(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--segment-mib", type=int, default=256, help="allocator test segment (256 MiB)")
-    parser.add_argument("--rounds", type=int, default=20, help="churn rounds per allocator test (20)")
-    parser.add_argument("--segments", type=int, default=4, help="segments before the new one (4)")
-    parser.add_argument("--objects-per-segment", type=int, default=512, help="capacity of each (512)")
+    parser.add_argument("--segment-mib", type=positive_int, default=256, help="allocator test segment (256 MiB)")
+    parser.add_argument("--rounds", type=positive_int, default=20, help="churn rounds per allocator test (20)")
+    parser.add_argument("--segments", type=positive_int, default=4, help="segments before the new one (4)")
+    parser.add_argument("--objects-per-segment", type=positive_int, default=512, help="capacity of each (512)")
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=fraction,
         default=0.05,
         help="'filled up': within this (absolute) of the others' used fraction",
     )
-    parser.add_argument("--seeds", type=int, default=3, help="random placement runs (median reported)")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="random placement runs (median reported)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpool.common.units import parse_size
+from kvpool.tools.argtypes import non_negative_float, positive_float, positive_int, size, size_bytes
 
 TARGET_HIDDEN = 0.9
 TARGET_CALLER_P99_MS = 1.0
@@ -35,15 +35,16 @@ TARGET_CALLER_P99_MS = 1.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
-    parser.add_argument("--pages", type=int, default=128, help="pages in the shared prefix (default 128)")
+    parser.add_argument("--pages", type=positive_int, default=128, help="pages in the shared prefix (default 128)")
     parser.add_argument(
         "--object-size",
+        type=size_bytes,
         default="128KiB",
         help="bytes of one page object; a page is a k and a v object (default 128KiB)",
     )
     parser.add_argument(
         "--compute-ms",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="simulated compute per run (default: 2x the measured transfer time)",
     )
@@ -53,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sleep",
         help="sleep (accelerator-like: CPU idle) or busy (one core hashing, GIL released)",
     )
-    parser.add_argument("--poll-ms", type=float, default=1.0, help="scheduler poll interval (default 1 ms)")
-    parser.add_argument("--runs", type=int, default=7, help="runs; medians are reported (default 7)")
-    parser.add_argument("--io-threads", type=int, default=2, help="EngineClient I/O threads (default 2)")
-    parser.add_argument("--store-size", default="256MiB", help="segment size of each benchmark store")
+    parser.add_argument("--poll-ms", type=positive_float, default=1.0, help="scheduler poll interval (default 1 ms)")
+    parser.add_argument("--runs", type=positive_int, default=7, help="runs; medians are reported (default 7)")
+    parser.add_argument("--io-threads", type=positive_int, default=2, help="EngineClient I/O threads (default 2)")
+    parser.add_argument("--store-size", type=size, default="256MiB", help="segment size of each benchmark store")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -160,7 +161,7 @@ def measure(master: str, args: argparse.Namespace) -> Result:
     from kvpool.client.pool_client import PoolClient
     from kvpool.common.keys import Namespace
 
-    object_size = parse_size(args.object_size)
+    object_size: int = args.object_size
     pool = PoolClient(master)
     engine = EngineClient(
         pool,

@@ -23,17 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.tools.argtypes import positive_float, positive_int, size
 from kvpool.tools.workload import WorkloadResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
-    parser.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
-    parser.add_argument("--threads", type=int, default=2, help="threads per client process (default 2)")
-    parser.add_argument("--stores", type=int, default=2, help="stores (default 2)")
-    parser.add_argument("--store-size", default="128MiB", help="segment size of each store (default 128MiB)")
-    parser.add_argument("--value-bytes", type=int, default=16 << 10, help="object size (default 16 KiB)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="deadline of every client call (default 2 s)")
+    parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load (default 60)")
+    parser.add_argument("--clients", type=positive_int, default=3, help="client processes (default 3)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="threads per client process (default 2)")
+    parser.add_argument("--stores", type=positive_int, default=2, help="stores (default 2)")
+    parser.add_argument("--store-size", type=size, default="128MiB", help="segment size of each store (default 128MiB)")
+    parser.add_argument("--value-bytes", type=positive_int, default=16 << 10, help="object size (default 16 KiB)")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=2.0, help="deadline of every client call (default 2 s)"
+    )
     parser.add_argument(
         "--restart-at",
         type=float,

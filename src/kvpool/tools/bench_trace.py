@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from kvpool.tools.argtypes import positive_int
 from kvpool.tools.trace import (
     BLOCK_TOKENS,
     ROUTING_POLICIES,
@@ -341,20 +342,10 @@ def _show(value: Any) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvpool bench trace``; ``--master`` belongs to the top-level CLI (read as args.master)."""
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--instances", type=_positive_int, default=8, help="simulated prefill instances (8)")
+    parser.add_argument("--instances", type=positive_int, default=8, help="simulated prefill instances (8)")
     parser.add_argument("--routing", choices=ROUTING_POLICIES, default="random", help="request routing (random)")
     parser.add_argument(
         "--capacity",
@@ -365,12 +356,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the private caches get capacity/instances each",
     )
     parser.add_argument(
-        "--block-bytes", type=_positive_int, default=DEFAULT_BLOCK_BYTES, help="bytes per block object (4096)"
+        "--block-bytes", type=positive_int, default=DEFAULT_BLOCK_BYTES, help="bytes per block object (4096)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random routing (0)")
     parser.add_argument(
         "--limit-requests",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="K",
         help="replay only the first K requests",

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.tools import bench_trace
+from kvpool.tools.argtypes import positive_int
 from kvpool.tools.trace import BLOCK_TOKENS, Request, capacity_blocks, load_trace, simulate_global
 
 __all__ = ["ClusterPlan", "EVICT_SLACK", "TracePoolFactory", "add_arguments", "plan_cluster", "run"]
@@ -223,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay against the in-memory LRU (no cluster; a check of the driver)",
     )
-    parser.add_argument("--stores", type=int, default=2, help="stores of the local cluster (2)")
+    parser.add_argument("--stores", type=positive_int, default=2, help="stores of the local cluster (2)")
     parser.add_argument("--ssd", action="store_true", help="give each store an SSD tier; --capacity is then the DRAM")
     parser.add_argument(
         "--ssd-capacity",

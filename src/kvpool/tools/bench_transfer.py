@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from kvpool.common.units import parse_size
+from kvpool.tools.argtypes import positive_float, positive_int, size, sizes_bytes
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
 BATCH_BYTES = 32 << 20  # a batched call moves about this much
@@ -35,11 +35,15 @@ class Row:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default="", help="measure this running cluster instead of starting one")
-    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="value sizes (default 64KiB,1MiB,4MiB)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per measurement (default 1)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per figure; the median is reported (default 3)")
-    parser.add_argument("--store-size", default="768MiB", help="segment size of the benchmark's store")
-    parser.add_argument("--connections", type=int, default=4, help="TCP connections per store")
+    parser.add_argument(
+        "--sizes", type=sizes_bytes, default="64KiB,1MiB,4MiB", help="value sizes (default 64KiB,1MiB,4MiB)"
+    )
+    parser.add_argument("--seconds", type=positive_float, default=1.0, help="seconds per measurement (default 1)")
+    parser.add_argument(
+        "--runs", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)"
+    )
+    parser.add_argument("--store-size", type=size, default="768MiB", help="segment size of the benchmark's store")
+    parser.add_argument("--connections", type=positive_int, default=4, help="TCP connections per store")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -133,7 +137,7 @@ def measure(master: str, sizes: list[int], seconds: float, runs: int, connection
 def run(args: argparse.Namespace) -> int:
     from kvpool.tools.local_cluster import LocalCluster
 
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes: list[int] = args.sizes
     cluster = None
     master = args.master
     if not master:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvpool.tools.argtypes import positive_float
+
 SIZES = (64 * 1024, 1 << 20, 4 << 20)
 SPREAD_BYTES = 32 << 20
 """Destination span of the spread ceiling: the size of the peer benchmark's registered buffers."""
@@ -187,7 +189,7 @@ def measure_memcpy(size: int = 64 << 20, repeats: int = 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per TCP size")
+    parser.add_argument("--seconds", type=positive_float, default=2.0, help="seconds per TCP size")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:

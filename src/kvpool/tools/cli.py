@@ -19,6 +19,7 @@ from kvpool.common import config as cfg
 from kvpool.common import envs
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import setup_logging
+from kvpool.tools.argtypes import non_negative_int, size
 
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
@@ -151,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     local = sub.add_parser("local", help="a local multi-process cluster")
     local.add_argument("action", choices=("up", "status", "down"))
-    local.add_argument("--stores", type=int, default=2, help="stores to start (default 2)")
-    local.add_argument("--size", default="512MiB", help="segment size of each store (default 512MiB)")
+    local.add_argument("--stores", type=non_negative_int, default=2, help="stores to start (default 2)")
+    local.add_argument("--size", type=size, default="512MiB", help="segment size of each store (default 512MiB)")
     local.add_argument("--ha", action="store_true", help="start etcd and 3 masters")
     local.add_argument("--dir", default="", help="cluster directory (default: a per-user temp dir)")
     local.add_argument("--json", action="store_true", help="print JSON")

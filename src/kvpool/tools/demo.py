@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.common.keys import page_keys
-from kvpool.common.units import parse_size
+from kvpool.tools.argtypes import non_negative_int, positive_int, size, size_bytes
 
 PAGE_TOKENS = 64
 
@@ -44,14 +44,16 @@ class DemoResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default="", help="use this running cluster instead of starting one")
-    parser.add_argument("--stores", type=int, default=2, help="stores of the local cluster (default 2)")
-    parser.add_argument("--store-size", default="256MiB", help="segment size of each store (default 256MiB)")
-    parser.add_argument("--instances", type=int, default=4, help="simulated prefill instances (default 4)")
-    parser.add_argument("--sessions", type=int, default=24, help="agent sessions (default 24)")
-    parser.add_argument("--turns", type=int, default=8, help="turns per session (default 8)")
-    parser.add_argument("--system-tokens", type=int, default=4096, help="shared system prompt length")
-    parser.add_argument("--turn-tokens", type=int, default=768, help="tokens each turn adds")
-    parser.add_argument("--page-bytes", default="64KiB", help="bytes of one 64-token KV page (default 64KiB)")
+    parser.add_argument("--stores", type=positive_int, default=2, help="stores of the local cluster (default 2)")
+    parser.add_argument("--store-size", type=size, default="256MiB", help="segment size of each store (default 256MiB)")
+    parser.add_argument("--instances", type=positive_int, default=4, help="simulated prefill instances (default 4)")
+    parser.add_argument("--sessions", type=positive_int, default=24, help="agent sessions (default 24)")
+    parser.add_argument("--turns", type=positive_int, default=8, help="turns per session (default 8)")
+    parser.add_argument("--system-tokens", type=non_negative_int, default=4096, help="shared system prompt length")
+    parser.add_argument("--turn-tokens", type=positive_int, default=768, help="tokens each turn adds")
+    parser.add_argument(
+        "--page-bytes", type=size_bytes, default="64KiB", help="bytes of one 64-token KV page (default 64KiB)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -102,7 +104,7 @@ def run_workload(client: object, args: argparse.Namespace, capacity_bytes: int) 
     from kvpool.client import PoolClient
 
     assert isinstance(client, PoolClient)
-    page_bytes = parse_size(args.page_bytes)
+    page_bytes: int = args.page_bytes
     rng = random.Random(args.seed + 1)
     requests = generate_requests(args)
     private = PrivateCaches(args.instances, max(1, capacity_bytes // page_bytes // args.instances))

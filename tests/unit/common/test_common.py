@@ -8,10 +8,13 @@ import dataclasses
 import pytest
 
 from kvpool.common import grants
-from kvpool.common.config import add_arguments, from_args, option
+from kvpool.common.config import add_arguments, check_ports, from_args, option
+from kvpool.common.envs import EnvVar
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code, strerror
 from kvpool.common.keys import Namespace, namespace_seed, page_keys
 from kvpool.common.units import format_size, parse_duration, parse_size
+from kvpool.master.config import MasterConfig
+from kvpool.store.config import StoreConfig
 
 
 @pytest.mark.parametrize(
@@ -70,8 +73,41 @@ def test_config_fields_become_options_with_docs() -> None:
     assert cfg == _Cfg(size=2 << 20, name="x", fast=True)
     with pytest.raises(SystemExit):
         parser.parse_args(["--name", "z"])
-    with pytest.raises(ValueError, match="size must be"):
+    with pytest.raises(KvPoolError, match="size must be") as refused:  # the CLI prints it, exit code 2
         from_args(_Cfg, parser.parse_args(["--size", "0"]))
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+_SIZE_ENV = EnvVar("KVPOOL_TEST_CFG_SIZE", "", "a size, for this test only")
+
+
+@dataclasses.dataclass
+class _EnvCfg:
+    size: int = option(1 << 20, "the size", parse=parse_size, env=_SIZE_ENV)
+
+
+def test_a_bad_environment_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, _EnvCfg)
+    monkeypatch.setenv(_SIZE_ENV.name, "2MiB")
+    assert from_args(_EnvCfg, parser.parse_args([])).size == 2 << 20
+    monkeypatch.setenv(_SIZE_ENV.name, "lots")
+    with pytest.raises(KvPoolError, match="KVPOOL_TEST_CFG_SIZE='lots': bad size") as refused:
+        from_args(_EnvCfg, parser.parse_args([]))
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_ports_are_checked() -> None:
+    check_ports(port=0, rpc_port=65535)
+    check_ports(metrics_port=-1, off=-1)
+    with pytest.raises(ValueError, match="--rpc-port must be 0-65535, got 65536"):
+        check_ports(port=1, rpc_port=65536)
+    with pytest.raises(ValueError, match=r"--metrics-port must be 0-65535 or -1 \(off\), got -2"):
+        check_ports(metrics_port=-2, off=-1)
+    with pytest.raises(ValueError, match="--port must be 0-65535, got -1"):
+        StoreConfig(master="m:1", port=-1)
+    with pytest.raises(ValueError, match="--port must be 0-65535, got 70000"):
+        MasterConfig(port=70000)
 
 
 def test_grants_verify_and_bind_every_field() -> None:
