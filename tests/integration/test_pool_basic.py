@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.common.errors import ErrorCode
+from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.proto import frames
 from kvpool.tools.local_cluster import LocalCluster
 from tests.support.cluster import FAST_MASTER, client, wait_for
@@ -34,6 +35,34 @@ def test_empty_values_are_rejected_with_a_clear_code(cluster: LocalCluster) -> N
         assert pool.put("empty", b"") == ErrorCode.INVALID_ARGUMENT
         assert pool.get("empty") is None
         assert pool.batch_exists(["empty"]) == [0]
+
+
+def test_a_key_that_is_not_utf8_gets_a_code_from_every_call(cluster: LocalCluster) -> None:
+    """A lone surrogate (what ``os.fsdecode`` makes of undecodable bytes) cannot be encoded into a request:
+    it is answered like any other malformed key, and the valid keys of the same batch are served."""
+    bad = "page-\udcff"
+    with client(cluster.master) as pool:
+        assert pool.put(bad, b"x") == ErrorCode.INVALID_KEY
+        assert pool.batch_put(["fine", bad], [b"v", b"w"]) == [0, ErrorCode.INVALID_KEY]
+        assert pool.batch_exists(["fine", bad]) == [1, 0]
+        assert pool.prefix_length(["fine", bad, "fine"]) == 1
+        assert pool.get(bad) is None
+        out = bytearray(1)
+        assert pool.batch_get_into([bad, "fine"], [bytearray(1), out]) == [ErrorCode.OBJECT_NOT_FOUND, 1]
+        assert out == b"v"
+        assert pool.batch_remove([bad]) == [ErrorCode.OBJECT_NOT_FOUND]
+        assert pool.remove_all(prefix=bad) == ErrorCode.INVALID_KEY
+        assert pool.get("fine") == b"v"  # nothing was removed
+
+
+def test_timeouts_none_finite_infinite_and_nan(cluster: LocalCluster) -> None:
+    with client(cluster.master) as pool:
+        assert pool.put("t-inf", b"x", timeout=math.inf) == 0  # no deadline at all
+        assert pool.get("t-inf", timeout=math.inf) == b"x"
+        assert pool.put("t-past", b"x", timeout=-1) == ErrorCode.TIMEOUT  # already passed
+        with pytest.raises(KvPoolError, match="NaN") as refused:
+            pool.get("t-inf", timeout=math.nan)
+        assert refused.value.code == ErrorCode.INVALID_ARGUMENT
 
 
 def test_values_are_immutable_and_a_second_put_is_a_noop(cluster: LocalCluster) -> None:

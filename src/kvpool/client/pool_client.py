@@ -13,11 +13,12 @@ The client is thread-safe.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
@@ -33,6 +34,11 @@ from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.transfer.base import Replica, TransferRequest, replica_of
 from kvpool.transfer.registry import TransportSet
+
+R = TypeVar("R")
+
+_FIRST_MAPPABLE_ADDRESS = 4096
+"""Linux never maps the first page (vm.mmap_min_addr is at least this): a pointer below it is NULL plus a bit."""
 
 log = get_logger(__name__)
 
@@ -64,8 +70,31 @@ class PutConfig:
 
 
 def ptr_view(ptr: int, size: int) -> memoryview:
-    """A writable memoryview over raw memory (SGLang's host pool hands out pointers)."""
+    """A writable memoryview over raw memory (SGLang's host pool hands out pointers). Like any raw-pointer
+    API it trusts the caller that [ptr, ptr + size) is mapped; a NULL (first-page) pointer or a negative
+    size, the usual mistakes, are refused instead of faulting."""
+    if size < 0 or (size and ptr < _FIRST_MAPPABLE_ADDRESS):
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad buffer: pointer 0x{ptr:x}, {size} bytes")
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _keyed(request_type: Callable[..., R], keys: Sequence[str], **fields: Any) -> R:
+    """A master request carrying ``keys``. A str that is not valid UTF-8 (a lone surrogate, as
+    ``os.fsdecode`` makes of undecodable bytes) cannot go into a request at all; it goes as "", which the
+    master refuses with INVALID_KEY (or does not hold) as it does any other malformed key. Checked only
+    when building the request failed: the common case pays nothing."""
+    try:
+        return request_type(keys=list(keys), **fields)
+    except UnicodeEncodeError:
+        return request_type(keys=[key if _is_utf8(key) else "" for key in keys], **fields)
+
+
+def _is_utf8(key: str) -> bool:
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _byte_view(buf: Buffer, writable: bool) -> memoryview:
@@ -163,7 +192,12 @@ class PoolClient:
         return cls(config=cfg)
 
     def _deadline(self, timeout: float | None) -> Deadline:
-        return Deadline(self.config.timeout_s if timeout is None else timeout)
+        """None: the configured default; infinity: none at all; 0 or less has already passed (TIMEOUT)."""
+        if timeout is None:
+            return Deadline(self.config.timeout_s)
+        if math.isnan(timeout):
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "timeout is NaN")
+        return Deadline(None if timeout == math.inf else timeout)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -173,7 +207,7 @@ class PoolClient:
             return []
         try:
             resp = self._master.call(
-                frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=list(keys)), self._deadline(timeout)
+                frames.Op.BATCH_EXISTS, _keyed(pb.BatchExistsRequest, keys), self._deadline(timeout)
             )
         except KvPoolError as exc:
             self._counters.add(degraded_calls=1)
@@ -192,7 +226,7 @@ class PoolClient:
         try:
             resp = self._master.call(
                 frames.Op.BATCH_EXISTS,
-                pb.BatchExistsRequest(keys=list(keys), prefix=True),
+                _keyed(pb.BatchExistsRequest, keys, prefix=True),
                 self._deadline(timeout),
             )
         except KvPoolError:
@@ -230,9 +264,10 @@ class PoolClient:
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=False) for b in buffers]
         codes = [int(ErrorCode.OK)] * len(keys)
-        request = pb.BatchPutStartRequest(
+        request = _keyed(
+            pb.BatchPutStartRequest,
+            keys,
             client_id=self.client_id,
-            keys=list(keys),
             sizes=[len(v) for v in views],
             config=(config or PutConfig()).to_proto(self.config.replica_num, self.node),
         )
@@ -386,7 +421,9 @@ class PoolClient:
             missing = [i for i, r in enumerate(found) if r is None]
             asked = [keys[i] for i in missing] if cached else list(keys)
             try:
-                resp = self._master.call(frames.Op.BATCH_GET_REPLICAS, pb.BatchGetReplicasRequest(keys=asked), deadline)
+                resp = self._master.call(
+                    frames.Op.BATCH_GET_REPLICAS, _keyed(pb.BatchGetReplicasRequest, asked), deadline
+                )
                 answers = [_resolved(r) for r in resp.results]
             except KvPoolError as exc:
                 self._counters.add(degraded_calls=1)
@@ -515,7 +552,7 @@ class PoolClient:
         try:
             resp = self._master.call(
                 frames.Op.BATCH_REMOVE,
-                pb.BatchRemoveRequest(keys=list(keys), force=force),
+                _keyed(pb.BatchRemoveRequest, keys, force=force),
                 self._deadline(timeout),
             )
         except KvPoolError as exc:
@@ -524,6 +561,8 @@ class PoolClient:
 
     def remove_all(self, force: bool = False, prefix: str = "", timeout: float | None = None) -> int:
         """Remove every object (whose key starts with ``prefix``); returns how many, or a negative code."""
+        if not _is_utf8(prefix):
+            return int(ErrorCode.INVALID_KEY)
         self._leases.clear()
         try:
             resp = self._master.call(
