@@ -2,6 +2,10 @@
 
 Each process passes its own ``CollectorRegistry`` (never the global one, so tests can run several
 services in one process) and a health callback returning ``(ok, details)``.
+
+A connection that sends nothing for ``idle_timeout_s`` is closed, so idle or stalled scrapers cannot pin
+the server's threads; a health callback or extra route that fails answers 503 or 500 with the error
+(logged), never a dropped connection.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvpool.common.log import get_logger
+
+logger = get_logger(__name__)
+
 HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
 
 
@@ -25,14 +33,27 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            self._answer(path, 500, lambda: (200, generate_latest(self.registry), CONTENT_TYPE_LATEST))
         elif path == "/health":
-            ok, details = self.health()
-            self._send(200 if ok else 503, json.dumps({"ok": ok, **details}).encode(), "application/json")
+            self._answer(path, 503, self._health)
         elif path in self.extra_routes:
-            self._send(200, json.dumps(self.extra_routes[path]()).encode(), "application/json")
+            route = self.extra_routes[path]
+            self._answer(path, 500, lambda: (200, json.dumps(route()).encode(), "application/json"))
         else:
             self._send(404, b"not found\n", "text/plain")
+
+    def _health(self) -> tuple[int, bytes, str]:
+        ok, details = self.health()
+        return 200 if ok else 503, json.dumps({"ok": ok, **details}).encode(), "application/json"
+
+    def _answer(self, path: str, failed_code: int, render: Callable[[], tuple[int, bytes, str]]) -> None:
+        try:
+            code, body, content_type = render()
+        except Exception as exc:  # a bug in a collector or callback: say so, keep serving
+            logger.exception("%s failed", path)
+            code, content_type = failed_code, "application/json"
+            body = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}).encode()
+        self._send(code, body, content_type)
 
     def _send(self, code: int, body: bytes, content_type: str) -> None:
         self.send_response(code)
@@ -55,6 +76,7 @@ class MetricsServer:
         registry: CollectorRegistry,
         health: HealthFn,
         extra_routes: dict[str, Callable[[], dict[str, Any]]] | None = None,
+        idle_timeout_s: float = 30.0,
     ) -> None:
         handler = type(
             "Handler",
@@ -63,6 +85,7 @@ class MetricsServer:
                 "registry": registry,
                 "health": staticmethod(health),
                 "extra_routes": extra_routes or {},
+                "timeout": idle_timeout_s,  # StreamRequestHandler: the socket timeout of each connection
             },
         )
         self._server = ThreadingHTTPServer((host, port), handler)
