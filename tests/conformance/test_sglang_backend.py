@@ -9,6 +9,7 @@ under CI.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -203,6 +204,33 @@ def test_client_tuning_comes_from_the_extra_config(backends: Backends) -> None:
     assert tuning == (2, 7, False, False, False, False)
     defaults = backends().pool.config
     assert (defaults.lease_renewal, defaults.revalidate_reads, defaults.native_lanes) == (True, True, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"connections_per_store": 0}, "connections_per_store must be >= 1"),
+        ({"connections_per_store": "four"}, "connections_per_store='four' is not a whole number"),
+        ({"timeout_s": "soon"}, "timeout_s='soon' is not a number"),
+        ({"timeout_s": -1}, "timeout_s must be > 0"),
+        ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
+        ({"spin_us": -5}, "spin_us and lease_cache_entries must be >= 0"),
+    ],
+)
+def test_a_bad_extra_config_value_stops_the_backend_with_its_key_named(
+    sgl: SimpleNamespace, cluster: LocalCluster, extra: dict[str, Any], message: str
+) -> None:
+    """SGLang fails to start with the message: better than a pool that misbehaves later."""
+    with pytest.raises(ValueError, match=f"kvpool extra_config.*{message}"):
+        make_backend(sgl, cluster.master, **extra)
+
+
+def test_unknown_extra_config_keys_are_named_in_a_warning(backends: Backends, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        backend = backends(conections_per_store=2)  # a typo: the default stays, and the log says so
+    assert backend.pool.config.connections_per_store == 4
+    warned = [r.getMessage() for r in caplog.records if "not kvpool's" in r.getMessage()]
+    assert warned == ["kvpool: extra_config keys ['conections_per_store'] are not kvpool's and are ignored (a typo?)"]
 
 
 # ----------------------------------------------------------------------------------------- zero copy

@@ -81,15 +81,43 @@ def _config_value(extra: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None or value == "" else value
 
 
+def _typed(extra: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """extra_config[name] as ``kind`` (a JSON config may give numbers as strings); a value that is not
+    one is a ValueError naming the key, raised while SGLang starts."""
+    value = _config_value(extra, name, default)
+    if kind is bool and not isinstance(value, bool):
+        return str(value).strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        wanted = {int: "a whole number", float: "a number"}.get(kind, kind.__name__)
+        raise ValueError(f"kvpool extra_config {name}={value!r} is not {wanted}") from None
+
+
+# extra_config keys read by this backend, by type (documented in docs/sglang.md)
+_STR_KEYS = ("token_file", "cluster")
+_INT_KEYS = ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries")
+_BOOL_KEYS = ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes")
+_KNOWN_KEYS = frozenset(
+    {"master", "timeout_s", "lookup_timeout_s", "tag", *_STR_KEYS, *_INT_KEYS, *_BOOL_KEYS}
+    # SGLang's own keys that it leaves in extra_config: the dynamic-backend triple and the v1 switch
+    | {"backend_name", "module_path", "class_name", "interface_v1"}
+)
+
+
 class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     """kvpool as SGLang's L3 storage (see the module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
         extra: dict[str, Any] = dict(storage_config.extra_config or {})
+        if unknown := sorted(set(extra) - _KNOWN_KEYS):
+            log.warning("kvpool: extra_config keys %s are not kvpool's and are ignored (a typo?)", unknown)
         self.storage_config = storage_config
-        self.timeout_s = float(_config_value(extra, "timeout_s", 5.0))
-        self.lookup_timeout_s = float(_config_value(extra, "lookup_timeout_s", 0.5))
+        self.timeout_s = _typed(extra, "timeout_s", float, 5.0)
+        self.lookup_timeout_s = _typed(extra, "lookup_timeout_s", float, 0.5)
+        if not self.lookup_timeout_s > 0:
+            raise ValueError(f"kvpool extra_config lookup_timeout_s must be > 0, got {self.lookup_timeout_s}")
         self.is_writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
         self.layout = _DEFAULT_LAYOUT
@@ -117,20 +145,19 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     @staticmethod
     def _client_config(extra: dict[str, Any]) -> ClientConfig:
-        cfg = ClientConfig(
-            master=str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
-            timeout_s=float(_config_value(extra, "timeout_s", 5.0)),
-        )
-        for name in ("token_file", "cluster"):
-            if name in extra:
-                setattr(cfg, name, str(extra[name]))
-        for name in ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries"):
-            if name in extra:
-                setattr(cfg, name, int(extra[name]))
-        for name in ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes"):
-            if name in extra:
-                setattr(cfg, name, str(extra[name]).strip().lower() in ("1", "true", "yes", "on"))
-        return cfg
+        """The client's config from extra_config, built in one go so that ClientConfig's own checks run."""
+        values: dict[str, Any] = {
+            "master": str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
+            "timeout_s": _typed(extra, "timeout_s", float, 5.0),
+        }
+        for names, kind in ((_STR_KEYS, str), (_INT_KEYS, int), (_BOOL_KEYS, bool)):
+            values.update(
+                {name: _typed(extra, name, kind) for name in names if _config_value(extra, name, None) is not None}
+            )
+        try:
+            return ClientConfig(**values)
+        except ValueError as exc:
+            raise ValueError(f"kvpool extra_config: {exc}") from None
 
     def _namespace(self, layout: str) -> Namespace:
         cfg = self.storage_config
