@@ -35,7 +35,12 @@ def setup_logging(role: str, level: str | None = None) -> None:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel((level or envs.KVPOOL_LOG_LEVEL.get()).upper())
+    wanted = (level or envs.KVPOOL_LOG_LEVEL.get()).upper()
+    if isinstance(logging.getLevelName(wanted), int):
+        root.setLevel(wanted)
+    else:  # a typo in the log level must not keep a service from starting
+        root.setLevel(logging.INFO)
+        root.warning("unknown log level %r (%s): logging at INFO", wanted, envs.KVPOOL_LOG_LEVEL.name)
 
 
 def get_logger(name: str) -> logging.Logger:

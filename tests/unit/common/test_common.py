@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -149,3 +152,12 @@ def test_namespace_object_keys_like_sglang_mooncake_backend() -> None:
     assert Namespace(model="org/m", tp_rank=1).object_keys(h) == [f"org-m_{h}_1_k", f"org-m_{h}_1_v"]
     assert Namespace(mla=True).object_keys(h) == [f"{h}__k"]
     assert Namespace(tag="t", model="m", tp_rank=0, pp_rank=2, pp_size=4).object_keys(h)[1] == f"t_m_{h}_0_2_v"
+
+
+def test_an_unknown_log_level_is_reported_and_logging_goes_on_at_info() -> None:
+    code = "from kvpool.common.log import get_logger, setup_logging; setup_logging('t'); get_logger('x').info('hello')"
+    env = {**os.environ, "KVPOOL_LOG_LEVEL": "LOUD"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "unknown log level 'LOUD' (KVPOOL_LOG_LEVEL): logging at INFO" in done.stderr
+    assert "x: hello" in done.stderr
