@@ -24,7 +24,7 @@ KVPOOL_BAD = [
     (["bench", "metadata", "--runs", "0"], "--runs"),
     (["bench", "master-memory", "--objects", "5"], "--objects"),
     (["bench", "master-memory", "--seconds", "-1"], "--seconds"),
-    (["bench", "placement", "--segment-mib", "0"], "--segment-mib"),
+    (["bench", "placement", "--segment-mib", "1"], "--segment-mib"),
     (["bench", "placement", "--rounds", "0"], "--rounds"),
     (["bench", "placement", "--segments", "0"], "--segments"),
     (["bench", "placement", "--objects-per-segment", "0"], "--objects-per-segment"),

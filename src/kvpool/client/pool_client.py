@@ -192,7 +192,7 @@ class PoolClient:
         return cls(config=cfg)
 
     def _deadline(self, timeout: float | None) -> Deadline:
-        """None: the configured default; infinity: none at all; 0 or less has already passed (TIMEOUT)."""
+        """None: the configured default; infinity: no deadline; NaN is refused."""
         if timeout is None:
             return Deadline(self.config.timeout_s)
         if math.isnan(timeout):

@@ -15,6 +15,7 @@ whole-call failures (bad arguments, no master reachable before the deadline, ...
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -116,6 +117,14 @@ def as_code(value: int) -> ErrorCode:
 
 
 _BY_VALUE: dict[int, ErrorCode] = {int(code): code for code in ErrorCode}
+
+
+def batch_failure(what: str, codes: Iterable[int]) -> KvPoolError:
+    """The error for a batch call that had to succeed and did not: the first failure's code, and every
+    distinct failure named (a tool prints it and exits 2, instead of a traceback)."""
+    failed = list(dict.fromkeys(int(c) for c in codes if c < 0))  # distinct, in the order they came
+    code = as_code(failed[0]) if failed else ErrorCode.INTERNAL
+    return KvPoolError(code, f"{what}: {', '.join(strerror(c) for c in failed) or 'unexpected results'}")
 
 
 class KvPoolError(Exception):

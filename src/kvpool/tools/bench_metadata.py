@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from kvpool.common.clock import Deadline
+from kvpool.common.errors import KvPoolError, as_code
 from kvpool.common.grants import new_secret
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -59,7 +60,7 @@ def mount_fake_segment(grpc_endpoint: str, size: int) -> None:
         stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
         response = stub.MountSegment(pb.MountSegmentRequest(segment=segment, secret=new_secret()), timeout=30)
     if response.status.code != 0:
-        raise RuntimeError(f"mount failed: {response.status}")
+        raise KvPoolError(as_code(response.status.code), f"mount failed: {response.status.message}")
 
 
 def fill(master: Any, keys: list[str], batch: int = 1000, progress: bool = False) -> None:

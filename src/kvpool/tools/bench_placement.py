@@ -34,7 +34,7 @@ from kvpool.master.allocator import OffsetAllocator
 from kvpool.master.config import MasterConfig
 from kvpool.master.state import MasterState
 from kvpool.master.types import PutOptions, SegmentSpec
-from kvpool.tools.argtypes import fraction, positive_int
+from kvpool.tools.argtypes import fraction, int_at_least, positive_int
 
 __all__ = ["ConvergenceResult", "UtilisationResult", "add_arguments", "converge", "run", "utilisation"]
 
@@ -206,7 +206,12 @@ def converge(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--segment-mib", type=positive_int, default=256, help="allocator test segment (256 MiB)")
+    parser.add_argument(
+        "--segment-mib",
+        type=int_at_least(16),  # it must hold a few of the largest objects (3.12 MB)
+        default=256,
+        help="allocator test segment (256 MiB; at least 16)",
+    )
     parser.add_argument("--rounds", type=positive_int, default=20, help="churn rounds per allocator test (20)")
     parser.add_argument("--segments", type=positive_int, default=4, help="segments before the new one (4)")
     parser.add_argument("--objects-per-segment", type=positive_int, default=512, help="capacity of each (512)")

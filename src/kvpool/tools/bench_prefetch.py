@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvpool.common.errors import ErrorCode, KvPoolError, batch_failure
 from kvpool.tools.argtypes import non_negative_float, positive_float, positive_int, size, size_bytes
 
 TARGET_HIDDEN = 0.9
@@ -115,7 +116,7 @@ def _seed_prefix(pool: Any, engine: Any, pages: int, object_size: int) -> tuple[
     for lo in range(0, len(objects), step):
         codes = pool.batch_put_from(objects[lo : lo + step], values[lo : lo + step], timeout=30)
         if any(c != 0 for c in codes):
-            raise RuntimeError(f"writing the shared prefix failed: {sorted(set(codes))}")
+            raise batch_failure("writing the shared prefix failed", codes)
     return keys, values
 
 
@@ -125,7 +126,7 @@ def _fetch_alone(engine: Any, keys: list[str], dests: list[bytearray], runs: int
     for _ in range(runs):
         handle = engine.prefetch(keys, dests, deadline_s=30, policy="wait_complete", hit_pages=len(keys))
         if handle.wait(timeout=60) != len(keys):
-            raise RuntimeError(f"prefetch fetched {handle.completed_pages()} of {len(keys)} pages")
+            raise KvPoolError(ErrorCode.TIMEOUT, f"prefetch fetched {handle.completed_pages()} of {len(keys)} pages")
         times.append(handle.finished_at - handle.issued_at)
     return times
 
@@ -177,12 +178,12 @@ def measure(master: str, args: argparse.Namespace) -> Result:
         for _ in range(args.runs):
             t0 = time.perf_counter()
             if engine.prefix_length(keys) != len(keys):
-                raise RuntimeError("the shared prefix is not all in the pool")
+                raise KvPoolError(ErrorCode.OBJECT_NOT_FOUND, "the shared prefix is not all in the pool")
             lookups.append(time.perf_counter() - t0)
         _fetch_alone(engine, keys, dests, 1)  # warm-up: connections, staging buffers
         alone = statistics.median(_fetch_alone(engine, keys, dests, args.runs))
         if [bytes(d) for d in dests] != values:
-            raise RuntimeError("prefetched bytes differ from the written prefix")
+            raise KvPoolError(ErrorCode.CHECKSUM_MISMATCH, "prefetched bytes differ from the written prefix")
         compute_s = args.compute_ms / 1000 if args.compute_ms > 0 else 2 * alone
         compute = _Compute(args.compute)
         caller: list[float] = []

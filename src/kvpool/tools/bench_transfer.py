@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
+from kvpool.common.errors import batch_failure
 from kvpool.tools.argtypes import positive_float, positive_int, size, sizes_bytes
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
@@ -70,13 +71,13 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
         codes = client.batch_put_from(keys, buffers)
         put_time = time.perf_counter() - started
         if any(c != 0 for c in codes):
-            raise RuntimeError(f"put failed: {sorted(set(codes))}")
+            raise batch_failure("put failed", codes)
         if op == "get":
             started = time.perf_counter()
             codes = client.batch_get_into(keys, buffers)
             elapsed = time.perf_counter() - started
             if any(c != size for c in codes):
-                raise RuntimeError(f"get failed: {sorted(set(codes))}")
+                raise batch_failure("get failed", [c for c in codes if c != size])
         else:
             elapsed = put_time
         latencies.append(elapsed)

@@ -13,7 +13,7 @@ import pytest
 from kvpool.common import grants
 from kvpool.common.config import add_arguments, check_ports, from_args, option
 from kvpool.common.envs import EnvVar
-from kvpool.common.errors import ErrorCode, KvPoolError, as_code, strerror
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code, batch_failure, strerror
 from kvpool.common.keys import Namespace, namespace_seed, page_keys
 from kvpool.common.units import format_size, parse_duration, parse_size
 from kvpool.master.config import MasterConfig
@@ -55,6 +55,13 @@ def test_error_codes_are_negative_and_ranged() -> None:
     assert strerror(-99999) == "UNKNOWN_ERROR(-99999)"
     assert as_code(-99999) == ErrorCode.INTERNAL
     assert "NO_SPACE: full" in str(KvPoolError(ErrorCode.NO_SPACE, "full"))
+
+
+def test_a_batch_failure_carries_the_first_failure_and_names_them_all() -> None:
+    error = batch_failure("put failed", [0, ErrorCode.NO_SPACE, 0, ErrorCode.TIMEOUT, ErrorCode.NO_SPACE])
+    assert error.code == ErrorCode.NO_SPACE
+    assert str(error) == "NO_SPACE: put failed: NO_SPACE, TIMEOUT"
+    assert batch_failure("get failed", [5, 7]).code == ErrorCode.INTERNAL  # wrong sizes, no code
 
 
 @dataclasses.dataclass
