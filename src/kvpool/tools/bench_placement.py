@@ -208,9 +208,9 @@ def converge(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--segment-mib",
-        type=int_at_least(16),  # it must hold a few of the largest objects (3.12 MB)
+        type=int_at_least(4),  # it must hold the largest test object (3.12 MB)
         default=256,
-        help="allocator test segment (256 MiB; at least 16)",
+        help="allocator test segment (256 MiB; at least 4)",
     )
     parser.add_argument("--rounds", type=positive_int, default=20, help="churn rounds per allocator test (20)")
     parser.add_argument("--segments", type=positive_int, default=4, help="segments before the new one (4)")
