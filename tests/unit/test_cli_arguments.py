@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,28 +74,26 @@ ADMIN_BAD = [
 ]
 
 
-def _refused(parser: argparse.ArgumentParser, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exited:
-        parser.parse_args(argv)
-    assert exited.value.code == 2
-    return capsys.readouterr().err
+BAD = [("kvpool", cli.build_parser, argv, option) for argv, option in KVPOOL_BAD] + [
+    ("kvpool-admin", admin.build_parser, argv, option) for argv, option in ADMIN_BAD
+]
 
 
-@pytest.mark.parametrize(("argv", "option"), KVPOOL_BAD, ids=[" ".join(a) for a, _ in KVPOOL_BAD])
-def test_kvpool_refuses_a_value_it_cannot_run_with(
-    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("build_parser", "argv", "option"), [b[1:] for b in BAD], ids=[f"{b[0]} {' '.join(b[2])}" for b in BAD]
+)
+def test_a_command_refuses_a_value_it_cannot_run_with(
+    build_parser: Callable[[], argparse.ArgumentParser],
+    argv: list[str],
+    option: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    err = _refused(cli.build_parser(), argv, capsys)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
     assert f"argument {option}" in err, err
     assert "Traceback" not in err
-
-
-@pytest.mark.parametrize(("argv", "option"), ADMIN_BAD, ids=[" ".join(a) for a, _ in ADMIN_BAD])
-def test_kvpool_admin_refuses_a_value_it_cannot_run_with(
-    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    err = _refused(admin.build_parser(), argv, capsys)
-    assert f"argument {option}" in err, err
 
 
 def test_the_defaults_and_good_values_parse_to_what_the_commands_use() -> None:

@@ -971,12 +971,8 @@ class _Lane:
             _CLOSING_STATUSES,
         )
         stop = statuses.pop() if outcome == native_lanes.STOPPED else None
-        for part, status in zip(parts, statuses, strict=False):  # the answered parts: a prefix
-            code = ErrorCode.OK if status == 0 else as_code(status)
-            if part.check is not None and code == ErrorCode.OK:
-                code = part.check.landed()
-            job.codes.append(code)
-        job.done += len(statuses)
+        codes = [ErrorCode.OK if status == 0 else as_code(status) for status in statuses]
+        self._record(job, parts[: len(codes)], codes)  # the answered parts: a prefix
         if outcome != native_lanes.DONE:
             raise self._native_failure(outcome, stop, reply_op, message)
         return True
@@ -985,11 +981,9 @@ class _Lane:
         """The _Broken that the Python loop raises for the same reply or socket error."""
         if stop is not None:
             code = as_code(stop)
-            if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:
-                return _Broken(code, f"store {self._ep.name} requires the cluster token")
-            if code in _CLOSING_CODES:
-                return _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
-            return _Broken(ErrorCode.BAD_FRAME, f"{code.name} in an op {reply_op} reply ({self._ep.name})")
+            return self._closing_reply(code, reply_op) or _Broken(
+                ErrorCode.BAD_FRAME, f"{code.name} in an op {reply_op} reply ({self._ep.name})"
+            )
         if outcome == native_lanes.TIMED_OUT:
             return _Broken(ErrorCode.TIMEOUT, message)
         if outcome == native_lanes.BAD_FRAME:
@@ -1023,11 +1017,24 @@ class _Lane:
             codes = [self._receive(reader, req_id, group[0])]
         else:
             codes = self._receive_vector(reader, req_id, group)
-        for part, code in zip(group, codes, strict=True):
+        self._record(job, group, codes)
+
+    @staticmethod
+    def _record(job: _Job, parts: list[_Part], codes: list[ErrorCode]) -> None:
+        """The codes of answered ``parts`` into the job, each READ that asked for it verified as it lands."""
+        for part, code in zip(parts, codes, strict=True):
             if part.check is not None and code == ErrorCode.OK:
                 code = part.check.landed()
             job.codes.append(code)
-        job.done += len(group)
+        job.done += len(parts)
+
+    def _closing_reply(self, code: ErrorCode, reply_op: int) -> _Broken | None:
+        """The _Broken for a reply after which the store closes the connection, or None."""
+        if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token
+            return _Broken(code, f"store {self._ep.name} requires the cluster token")
+        if code in _CLOSING_CODES:
+            return _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
+        return None
 
     def _reply_code(self, reader: FrameReader, req_id: int) -> tuple[ErrorCode, int]:
         """A reply's header for the frame ``req_id``: its code and payload length. Raises _Broken for a
@@ -1036,10 +1043,8 @@ class _Lane:
         if magic != MAGIC:
             raise _Broken(ErrorCode.BAD_FRAME, f"bad magic 0x{magic:08x} from {self._ep.name}")
         code = ErrorCode.OK if status == 0 else as_code(status)
-        if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token: the store closes
-            raise _Broken(code, f"store {self._ep.name} requires the cluster token")
-        if code in _CLOSING_CODES:
-            raise _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
+        if (closing := self._closing_reply(code, reply_op)) is not None:
+            raise closing
         if rid != req_id:
             raise _Broken(ErrorCode.BAD_FRAME, f"response {rid} for request {req_id} from {self._ep.name}")
         return code, length
