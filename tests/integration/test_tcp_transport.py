@@ -30,6 +30,7 @@ from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 from kvpool.transfer import tcp
 from kvpool.transfer.base import Replica, TransferRequest
+from kvpool.transfer.memcopy import page_aligned
 from kvpool.transfer.tcp import TcpTransport, parse_endpoint, spin_recv_into
 
 pytestmark = pytest.mark.integration
@@ -587,11 +588,17 @@ def transfer_against(reply: Callable[[int], bytes], op: GrantOp, buf: memoryview
         ),
     ],
 )
-def test_a_hostile_answer_to_a_large_read(threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode) -> None:
+@pytest.mark.parametrize("start", [0, 16], ids=["aligned", "bounced"])
+def test_a_hostile_answer_to_a_large_read(
+    threads_settle: None, reply: Callable[[int], bytes], code: ErrorCode, start: int
+) -> None:
     """Whatever a store answers, the read gets the same code from both loops, and no byte lands in the
-    buffer unless the answer is an OK of exactly the bytes asked for."""
-    buf = bytearray(b"\xee" * MIB)
-    assert transfer_against(reply, GrantOp.READ, memoryview(buf)) == [code]
+    buffer unless the answer is an OK of exactly the bytes asked for; also when the compiled loop
+    receives through its bounce buffer (a destination 16 bytes into its page, the source at 0)."""
+    region = page_aligned(start + MIB)
+    region[:] = b"\xee" * len(region)
+    buf = region[start:]
+    assert transfer_against(reply, GrantOp.READ, buf) == [code]
     if code != ErrorCode.CONNECTION_FAILED:
         assert buf == b"\xee" * MIB
     else:  # the read failed and its buffer is scratch; still nothing past the bytes that came
@@ -658,6 +665,54 @@ def test_reads_and_writes_mixed_in_one_batch(transport: TcpTransport, store: Sto
         )
     assert transport.transfer(batch, Deadline(10)) == [ErrorCode.OK] * 10
     assert out == first
+
+
+@pytest.mark.parametrize("source", [0, 64, 4032])
+@pytest.mark.parametrize("start", [0, 1, 16, 63, 64, 4080])
+def test_reads_land_exactly_wherever_the_destination_starts(
+    transport: TcpTransport, store: Store, source: int, start: int
+) -> None:
+    """Large READs land byte for byte whatever the destination's page offset against the source's: the
+    compiled loop receives a destination 1-63 bytes past its source (mod 4 KiB) through its bounce
+    buffer (_lanes.c), 256 KiB at a time; a part of 700 KiB + 5 ends in a short chunk. Nothing around
+    the destination is touched."""
+    sizes = [(700 << 10) + 5, 1 << 20]
+    values = [random_bytes(n, 7 + i) for i, n in enumerate(sizes)]
+    offsets = [source + off for off in lay_out([n + source for n in sizes])]
+    puts = [
+        store.request(GrantOp.WRITE, b"a%d" % i, off, memoryview(v))
+        for i, (off, v) in enumerate(zip(offsets, values, strict=True))
+    ]
+    assert transport.transfer(puts, Deadline(10)) == [ErrorCode.OK] * len(sizes)
+    guard = 4096
+    region = page_aligned(start + sum(sizes) + guard)
+    region[:] = b"\xa5" * len(region)
+    dests, pos = [], start
+    for n in sizes:
+        dests.append(region[pos : pos + n])
+        pos += n
+    gets = [
+        store.request(GrantOp.READ, b"a%d" % i, off, d) for i, (off, d) in enumerate(zip(offsets, dests, strict=True))
+    ]
+    assert transport.transfer(gets, Deadline(10)) == [ErrorCode.OK] * len(sizes)
+    assert [bytes(d) for d in dests] == [bytes(v) for v in values]
+    assert region[:start] == b"\xa5" * start
+    assert region[pos:] == b"\xa5" * (len(region) - pos)
+
+
+def test_the_compiled_loop_refuses_bad_source_offsets() -> None:
+    if tcp.native_lanes is None:
+        pytest.skip("kvpool.transfer._lanes was not built")
+    a, b = socket.socketpair()
+    try:
+        for sources, message in (([0, 0], "one source per frame"), ([4096], r"\[-1, 4096\)"), ([-2], r"\[-1, 4096\)")):
+            with pytest.raises(ValueError, match=message):
+                tcp.native_lanes.pipeline(
+                    a.fileno(), [b"f"], [bytearray(4)], 1, 1, 1 << 20, None, None, Op.READ, Op.WRITE, [], sources
+                )
+    finally:
+        a.close()
+        b.close()
 
 
 def test_reads_into_a_larger_buffer_and_numpy_views(transport: TcpTransport, store: Store) -> None:

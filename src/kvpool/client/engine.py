@@ -41,6 +41,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError, strerror
 from kvpool.common.keys import Namespace
 from kvpool.common.keys import page_keys as _chain_keys
 from kvpool.common.log import get_logger
+from kvpool.transfer.memcopy import copy_into, copy_of, page_aligned
 
 log = get_logger(__name__)
 
@@ -205,7 +206,7 @@ class PrefetchHandle:
                 if self._completed != first_page + p:
                     raise KvPoolError(ErrorCode.INTERNAL, "prefetch pages delivered out of order")
                 for j in range(p * per_page, (p + 1) * per_page):
-                    dests[j][:] = staged[j]
+                    copy_into(dests[j], staged[j])
                 self._completed += 1
                 if self._hit is not None and self._completed >= self._hit:
                     self._end_locked(EndReason.COMPLETE)
@@ -591,11 +592,10 @@ class EngineClient:
     def _staging(self, sizes: list[int]) -> list[memoryview]:
         """Views over this thread's staging buffer (grown on demand, reused across chunks)."""
         total = sum(sizes)
-        buf: bytearray | None = getattr(self._local, "staging", None)
-        if buf is None or len(buf) < total:
-            buf = bytearray(total)
-            self._local.staging = buf
-        view = memoryview(buf)
+        view: memoryview | None = getattr(self._local, "staging", None)
+        if view is None or len(view) < total:
+            view = page_aligned(total)
+            self._local.staging = view
         out, offset = [], 0
         for size in sizes:
             out.append(view[offset : offset + size])
@@ -634,7 +634,7 @@ class EngineClient:
                 return False
             self._wb_bytes += nbytes  # reserve before copying: the bound holds while we copy
         if copy:
-            views = [memoryview(bytearray(v)) for v in views]
+            views = [copy_of(v) for v in views]
         with self._cond:
             self._writeback_q.append(_WriteBackTask(hashes, views, nbytes, on_done))
             self._cond.notify()

@@ -58,6 +58,20 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def page_aligned(size: int, fill: bytes = b"\0") -> mmap.mmap:
+    """A ``size``-byte anonymous mapping, every page faulted in (filled with ``fill`` repeated).
+
+    The ceiling's buffers start on a page boundary, as a careful client's do: the kernel's copy of socket
+    data into user memory runs 2-3x slower on some CPUs (AMD Zen: ``rep movsb``) when the destination is
+    1-63 bytes past the source modulo 4 KiB. A large ``bytearray`` starts 16 bytes into its page (glibc's
+    chunk header), which would hand the ceiling that slow copy: docs/benchmarks.md, "A copy that depends
+    on where the buffer starts".
+    """
+    buf = mmap.mmap(-1, size)
+    buf.write((fill * (size // len(fill) + 1))[:size])
+    return buf
+
+
 def _serve(max_size: int) -> None:
     """Server process: answer each 8-byte request (a size) with that many bytes; size 0 ends."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -65,7 +79,7 @@ def _serve(max_size: int) -> None:
     conn, _ = listener.accept()
     listener.close()
     _tune(conn)
-    payload = memoryview(bytearray(os.urandom(1024)) * (max_size // 1024 + 1))
+    payload = memoryview(page_aligned(max_size, os.urandom(1024)))
     req = bytearray(_REQ.size)
     with conn:
         while True:
@@ -94,7 +108,7 @@ class RawTcpPeer:
         port = int(self._proc.stdout.readline())
         self._sock = socket.create_connection(("127.0.0.1", port))
         _tune(self._sock)
-        self._dest = memoryview(bytearray(max_size))
+        self._dest = memoryview(page_aligned(max_size))
         self._spread: mmap.mmap | None = None
 
     @property
@@ -105,7 +119,8 @@ class RawTcpPeer:
     def measure(self, size: int, seconds: float, spread: bool = False) -> TcpResult:
         """Synchronous ``size``-byte responses for about ``seconds``: GB/s and p50 latency.
 
-        By default every response lands in the same buffer, which stays hot in the TLB and the caches.
+        By default every response lands in the same page-aligned buffer, which stays hot in the TLB and
+        the caches.
         ``spread`` lands them in successive slices of a 32 MiB shared anonymous mapping (4 KiB pages, as
         the peer benchmark's buffers are), the destination a system's batched get writes into.
         """
@@ -115,8 +130,7 @@ class RawTcpPeer:
         dests = [self._dest[:size]]
         if spread:
             if self._spread is None:
-                self._spread = mmap.mmap(-1, SPREAD_BYTES)
-                self._spread.write(b"\1" * SPREAD_BYTES)  # fault every page in
+                self._spread = page_aligned(SPREAD_BYTES, b"\1")
             view = memoryview(self._spread)
             dests = [view[off : off + size] for off in range(0, SPREAD_BYTES - size + 1, size)]
         for i in range(max(5, len(dests))):  # warm up: TCP window growth, page faults of the destination

@@ -20,5 +20,7 @@ def pipeline(
     op: int,
     write_op: int,
     closing: Sequence[int],
+    sources: Sequence[int] | None = None,
     /,
 ) -> tuple[list[int], int, int, str, float | None]: ...
+def copy_into(dest: Buffer, src: Buffer, /) -> None: ...

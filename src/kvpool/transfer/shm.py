@@ -25,6 +25,7 @@ from kvpool.common.grants import GrantOp
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.transfer.base import CompletedBatch, Replica, TransferBatch, TransferRequest, Transport
+from kvpool.transfer.memcopy import copy_into
 
 log = get_logger(__name__)
 
@@ -101,9 +102,9 @@ class ShmTransport(Transport):
             return ErrorCode.INVALID_ARGUMENT
         with mapping.view[replica.offset : replica.offset + replica.length] as window:
             if request.op == GrantOp.READ:
-                request.buffer[:] = window
+                copy_into(request.buffer, window)
             else:
-                window[:] = request.buffer
+                copy_into(window, request.buffer)
         if request.verify and request.op == GrantOp.READ:
             return request.check_landed()  # right after the copy, while the bytes are in cache
         return ErrorCode.OK

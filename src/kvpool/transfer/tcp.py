@@ -413,6 +413,14 @@ class _ReadCheck:
         return self.request.check_landed()
 
 
+def _source_page(part: _Part) -> int:
+    """Where in its 4 KiB page the first byte the store sends for this large READ part lies: the store
+    sends it from the segment's pages (sendfile), at the object's offset plus the part's. The compiled
+    loop bounces a part whose destination would make the kernel's copy slow (_lanes.c)."""
+    assert part.replica is not None
+    return (part.replica.offset + part.part_offset) % 4096
+
+
 class _Part:
     """One request on the wire: a part of one object (or a control op, with no replica)."""
 
@@ -969,6 +977,7 @@ class _Lane:
             op,
             Op.WRITE,
             _CLOSING_STATUSES,
+            None if op == Op.WRITE else [_source_page(part) for part in parts],
         )
         stop = statuses.pop() if outcome == native_lanes.STOPPED else None
         codes = [ErrorCode.OK if status == 0 else as_code(status) for status in statuses]
