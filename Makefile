@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv demo test test-deps proto lint typecheck bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py src/kvpool/transfer/_lanes.c
+$(VENV)/.installed: pyproject.toml setup.py src/kvpool/transfer/_lanes.c src/kvpool/master/_index.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

@@ -1,8 +1,12 @@
-"""Build script for kvpool's one compiled module; everything else is in pyproject.toml.
+"""Build script for kvpool's compiled modules; everything else is in pyproject.toml.
 
-``kvpool.transfer._lanes`` (a TCP lane's loop of large READs and WRITEs, docs/decisions/0016-native-lane-loop.md)
-is optional: without a C compiler and Python's headers the build skips it and the transport runs its
-Python loop instead (and says so once in its log).
+Both are optional: without a C compiler and Python's headers the build skips them and kvpool runs the
+Python code they replace.
+
+* ``kvpool.transfer._lanes``: a TCP lane's loop of large READs and WRITEs (docs/decisions/0016-native-lane-loop.md)
+  and the shared-memory transport's copy; the transport says once in its log when it runs without it.
+* ``kvpool.master._index``: the master's batched key lookup (exists, prefix length). It also needs
+  xxHash's header (Debian ``libxxhash-dev``).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +18,12 @@ setup(
             ["src/kvpool/transfer/_lanes.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvpool.master._index",
+            ["src/kvpool/master/_index.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
+            optional=True,
+        ),
     ]
 )

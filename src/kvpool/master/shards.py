@@ -24,12 +24,18 @@ interpreter's cached string hash (faster; they need no stability).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import xxhash
 
 from kvpool.master.objects import ObjectMeta
+
+_native_lookup: Callable[[list[str], tuple[dict[str, ObjectMeta], ...]], list[ObjectMeta | None]] | None
+try:
+    from kvpool.master._index import lookup as _native_lookup
+except ImportError:  # built without a C compiler or xxHash's header (setup.py)
+    _native_lookup = None
 
 __all__ = ["DEFAULT_STRIPES", "Shard", "ShardMap", "StripedLocks", "shard_index"]
 
@@ -69,6 +75,23 @@ class ShardMap:
 
     def shard_of(self, key_utf8: bytes) -> Shard:
         return self.shards[int(xxhash.xxh3_64_intdigest(key_utf8)) % self.num_shards]
+
+    def lookup_many(self, keys: list[str]) -> list[ObjectMeta | None]:
+        """Each key's object, or None, without the shard locks: a snapshot (the callers, exists and
+        prefix length, say why that is enough). A key that is not a str or not encodable is None.
+        Compiled (kvpool.master._index) where it was built; the same answers either way."""
+        objects = tuple(shard.objects for shard in self.shards)
+        if _native_lookup is not None:
+            return _native_lookup(keys, objects)
+        out: list[ObjectMeta | None] = []
+        hash_of = xxhash.xxh3_64_intdigest
+        n = self.num_shards
+        for key in keys:
+            try:
+                out.append(objects[hash_of(key.encode()) % n].get(key) if type(key) is str else None)
+            except UnicodeEncodeError:
+                out.append(None)
+        return out
 
     @contextmanager
     def locked(self, index: int) -> Iterator[Shard]:

@@ -997,15 +997,8 @@ class MasterState:
         ``last_access`` (a plain store; a lost update only makes a hit look a little older)."""
         now = self._clock.monotonic()
         by_id = self._table.by_id
-        shards = self._shards.shards
-        nshards = len(shards)
-        hash_of = xxhash.xxh3_64_intdigest
         append = out.append
-        for key in keys:
-            try:
-                meta = shards[hash_of(key.encode()) % nshards].objects.get(key)
-            except (AttributeError, UnicodeEncodeError):
-                meta = None
+        for meta in self._shards.lookup_many(keys if type(keys) is list else list(keys)):
             ok = False
             if meta is not None and meta.flags & COMPLETE:
                 if meta.flags & PRIMARY_COMPLETE:

@@ -1,0 +1,3 @@
+from kvpool.master.objects import ObjectMeta
+
+def lookup(keys: list[str], objects: tuple[dict[str, ObjectMeta], ...], /) -> list[ObjectMeta | None]: ...
