@@ -36,7 +36,7 @@ from benchmarks.ceiling import RawTcpPeer  # noqa: E402
 from kvpool.common.clock import Deadline  # noqa: E402
 from kvpool.common.grants import GrantOp, make_grant, new_secret  # noqa: E402
 from kvpool.tools.argtypes import positive_float, positive_int  # noqa: E402
-from kvpool.tools.ceiling import page_aligned  # noqa: E402
+from kvpool.tools.ceiling import prefaulted  # noqa: E402
 from kvpool.transfer.base import Replica, TransferRequest  # noqa: E402
 from kvpool.transfer.tcp import SOCKET_BUFFER, TcpTransport  # noqa: E402
 
@@ -161,8 +161,8 @@ class Workload:
         for size in LARGE:
             count = BATCH_BYTES // size
             self.src[size] = rng.integers(0, 256, size * count, dtype=np.uint8)
-            # page-aligned, as the ceiling's buffer is (kvpool.tools.ceiling.page_aligned says why)
-            self.dst[size] = np.frombuffer(page_aligned(size * count), dtype=np.uint8)
+            # page-aligned, as the ceiling's buffer is (kvpool.tools.ceiling.prefaulted says why)
+            self.dst[size] = np.frombuffer(prefaulted(size * count), dtype=np.uint8)
             srcs = [memoryview(self.src[size][i * size : (i + 1) * size].data) for i in range(count)]
             dsts = [memoryview(self.dst[size][i * size : (i + 1) * size].data) for i in range(count)]
             self.puts[size] = _requests(store, GrantOp.WRITE, srcs, size)

@@ -1,5 +1,5 @@
 """The raw TCP ceiling (kvpool.tools.ceiling): its buffers start on a page boundary, so the ceiling is not
-measured with the slow short-distance copy (ceiling.page_aligned), and it measures for real."""
+measured with the slow short-distance copy (ceiling.prefaulted), and it measures for real."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ def _page_offset(view: memoryview) -> int:
 
 
 def test_page_aligned_buffers_are_filled_and_start_on_a_page() -> None:
-    buf = ceiling.page_aligned(10_000, b"ab")
-    assert _page_offset(memoryview(buf)) == 0
-    assert buf[:] == (b"ab" * 5000)
+    buf = ceiling.prefaulted(10_000, b"ab")
+    assert _page_offset(buf) == 0
+    assert buf == b"ab" * 5000
 
 
 def test_the_ceiling_lands_every_answer_on_a_page_boundary() -> None:
@@ -32,4 +32,4 @@ def test_the_ceiling_lands_every_answer_on_a_page_boundary() -> None:
         spread = peer.measure(1 << 20, 0.05, spread=True)
         assert spread.requests > 0
         assert peer._spread is not None
-        assert _page_offset(memoryview(peer._spread)) == 0
+        assert _page_offset(peer._spread) == 0

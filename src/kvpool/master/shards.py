@@ -69,6 +69,8 @@ class ShardMap:
             raise ValueError("num_shards must be >= 1")
         self.num_shards = num_shards
         self.shards: tuple[Shard, ...] = tuple(Shard(i) for i in range(num_shards))
+        self._objects = tuple(shard.objects for shard in self.shards)
+        """Every shard's objects dict, in shard order (the dicts are never replaced): lookup_many's argument."""
 
     def index_of(self, key_utf8: bytes) -> int:
         return int(xxhash.xxh3_64_intdigest(key_utf8)) % self.num_shards
@@ -80,7 +82,7 @@ class ShardMap:
         """Each key's object, or None, without the shard locks: a snapshot (the callers, exists and
         prefix length, say why that is enough). A key that is not a str or not encodable is None.
         Compiled (kvpool.master._index) where it was built; the same answers either way."""
-        objects = tuple(shard.objects for shard in self.shards)
+        objects = self._objects
         if _native_lookup is not None:
             return _native_lookup(keys, objects)
         out: list[ObjectMeta | None] = []

@@ -58,10 +58,10 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
     from kvpool.client import PoolClient
 
     assert isinstance(client, PoolClient)
-    from kvpool.tools.ceiling import page_aligned
+    from kvpool.tools.ceiling import prefaulted
 
-    # One page-aligned mapping, as the ceiling's buffer is (ceiling.page_aligned says why it matters).
-    region = memoryview(page_aligned(size * batch))
+    # One page-aligned mapping, as the ceiling's buffer is (ceiling.prefaulted says why it matters).
+    region = prefaulted(size * batch)
     buffers = [region[i * size : (i + 1) * size] for i in range(batch)]
     for i, buf in enumerate(buffers):
         buf[:8] = i.to_bytes(8, "little")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import socket
 import struct
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvpool.tools.argtypes import positive_float
+from kvpool.transfer.memcopy import page_aligned
 
 SIZES = (64 * 1024, 1 << 20, 4 << 20)
 SPREAD_BYTES = 32 << 20
@@ -58,8 +58,9 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def page_aligned(size: int, fill: bytes = b"\0") -> mmap.mmap:
-    """A ``size``-byte anonymous mapping, every page faulted in (filled with ``fill`` repeated).
+def prefaulted(size: int, fill: bytes = b"\0") -> memoryview:
+    """A ``size``-byte page-aligned buffer (``memcopy.page_aligned``), every page faulted in (filled with
+    ``fill`` repeated).
 
     The ceiling's buffers start on a page boundary, as a careful client's do: the kernel's copy of socket
     data into user memory runs 2-3x slower on some CPUs (AMD Zen: ``rep movsb``) when the destination is
@@ -67,8 +68,8 @@ def page_aligned(size: int, fill: bytes = b"\0") -> mmap.mmap:
     chunk header), which would hand the ceiling that slow copy: docs/benchmarks.md, "A copy that depends
     on where the buffer starts".
     """
-    buf = mmap.mmap(-1, size)
-    buf.write((fill * (size // len(fill) + 1))[:size])
+    buf = page_aligned(size)
+    buf[:] = (fill * (size // len(fill) + 1))[:size]
     return buf
 
 
@@ -79,7 +80,7 @@ def _serve(max_size: int) -> None:
     conn, _ = listener.accept()
     listener.close()
     _tune(conn)
-    payload = memoryview(page_aligned(max_size, os.urandom(1024)))
+    payload = prefaulted(max_size, os.urandom(1024))
     req = bytearray(_REQ.size)
     with conn:
         while True:
@@ -108,8 +109,8 @@ class RawTcpPeer:
         port = int(self._proc.stdout.readline())
         self._sock = socket.create_connection(("127.0.0.1", port))
         _tune(self._sock)
-        self._dest = memoryview(page_aligned(max_size))
-        self._spread: mmap.mmap | None = None
+        self._dest = prefaulted(max_size)
+        self._spread: memoryview | None = None
 
     @property
     def server_pid(self) -> int:
@@ -130,8 +131,8 @@ class RawTcpPeer:
         dests = [self._dest[:size]]
         if spread:
             if self._spread is None:
-                self._spread = page_aligned(SPREAD_BYTES, b"\1")
-            view = memoryview(self._spread)
+                self._spread = prefaulted(SPREAD_BYTES, b"\1")
+            view = self._spread
             dests = [view[off : off + size] for off in range(0, SPREAD_BYTES - size + 1, size)]
         for i in range(max(5, len(dests))):  # warm up: TCP window growth, page faults of the destination
             sock.sendall(request)
