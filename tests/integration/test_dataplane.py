@@ -28,6 +28,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
 from kvpool.proto.frames import (
     DESC,
+    FLAG_FROM_PAGES,
     FLAG_REVALIDATE,
     HEADER,
     HEADER_SIZE,
@@ -142,6 +143,7 @@ class Raw:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.req_id = 0
+        self.last_flags = 0  # the header flags of the last reply
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
         self.sock.sendall(data)
@@ -161,7 +163,7 @@ class Raw:
 
     def response(self) -> tuple[int, int, int, bytes]:
         """(op, status, req_id, payload) of the next response."""
-        magic, op, _flags, status, req_id, length = HEADER.unpack(self.recv_exact(HEADER_SIZE))
+        magic, op, self.last_flags, status, req_id, length = HEADER.unpack(self.recv_exact(HEADER_SIZE))
         assert magic == MAGIC
         return op, status, req_id, self.recv_exact(length)
 
@@ -270,23 +272,34 @@ def test_write_then_read_round_trips_exactly(store: Store, size: int) -> None:
     assert store.inventory.entries(seg) == [InventoryEntry(seg, b"obj", offset, size, 77)]
 
 
-def test_reads_come_from_the_segment_file_without_a_fallback(store: Store, caplog: pytest.LogCaptureFixture) -> None:
-    """READs are sent with sendfile from the segment's file; a part that starts mid-page and ends mid-page
-    comes back exact, and the copy fallback is never taken for a tmpfs segment."""
-    assert store.segment.fd >= 0
-    start, n = 4096 * 3 + 17, (1 << 20) + 4093
-    with Raw(store.port) as c:
-        status, got = c.read(store.grant(GrantOp.READ, start, n))
-    assert status == ErrorCode.OK
-    assert got == store.expected[start : start + n].tobytes()
+@pytest.mark.parametrize("read_sendfile", [False, True], ids=["copied", "from-pages"])
+def test_large_reads_are_copied_or_sent_from_the_segment_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, read_sendfile: bool
+) -> None:
+    """A READ is copied from the mapping by default; with ``read_sendfile`` a large one leaves from the
+    segment's file and its reply says so (FLAG_FROM_PAGES), a small one is still copied. Parts that start
+    and end mid-page come back exact either way, and a tmpfs segment never takes the copy fallback."""
+    before = threading.active_count()
+    store = make_store(tmp_path, read_sendfile=read_sendfile)
+    try:
+        assert store.segment.fd >= 0
+        for start, n, spliced in ((4096 * 3 + 17, (1 << 20) + 4093, read_sendfile), (5, 1000, False)):
+            with Raw(store.port) as c:
+                status, got = c.read(store.grant(GrantOp.READ, start, n))
+                assert (status, c.last_flags) == (ErrorCode.OK, FLAG_FROM_PAGES if spliced else 0)
+            assert got == store.expected[start : start + n].tobytes()
+    finally:
+        close_store(store, before)
     assert "sendfile refused" not in caplog.text
 
 
 def test_a_segment_file_that_refuses_sendfile_is_copied_instead(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A file system without splice (sendfile says EINVAL, as from a directory) falls back to copying the
     mapped bytes after the header already went out; the fallback is logged once per segment."""
+    before = threading.active_count()
+    store = make_store(tmp_path, read_sendfile=True)
     real_fd = store.segment.fd
     store.segment.fd = os.open(tmp_path, os.O_RDONLY)  # sendfile from a directory: EINVAL
     try:
@@ -298,6 +311,7 @@ def test_a_segment_file_that_refuses_sendfile_is_copied_instead(
     finally:
         os.close(store.segment.fd)
         store.segment.fd = real_fd
+        close_store(store, before)
     assert caplog.text.count("sendfile refused") == 1
 
 

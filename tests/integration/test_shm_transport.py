@@ -42,12 +42,31 @@ def test_other_node_segments_fall_back_to_tcp(make_cluster: Callable[..., LocalC
         wait_for(lambda: _store_bytes(cluster) >= 10_000, 5, "the store to count 10,000 bytes moved")
 
 
-def _store_bytes(cluster: LocalCluster) -> int:
-    """Bytes the stores' TCP data planes moved (read + written), from their /metrics."""
+@pytest.mark.parametrize("read_sendfile", [False, True], ids=["copied", "from-pages"])
+def test_tcp_reads_are_copied_unless_the_store_sends_from_its_pages(
+    make_cluster: Callable[..., LocalCluster], read_sendfile: bool
+) -> None:
+    """`kvpool store --read-sendfile` reaches the data plane: its large reads leave from the segment's
+    pages (counted apart); without it every read is copied. Either way the bytes come back exact."""
+    cluster = make_cluster(stores=1, store_size="32MiB", store_args=("--read-sendfile",) if read_sendfile else ())
+    values = [os.urandom(n) for n in (1 << 20, (3 << 20) + 5, 1000)]
+    keys = [f"sent-{i}" for i in range(len(values))]
+    with client(cluster.master, use_shm=False) as pool:
+        assert pool.batch_put_from(keys, values) == [0] * len(keys)
+        assert pool.batch_get(keys) == values
+    large = sum(len(v) for v in values[:2])
+    expected = large if read_sendfile else 0
+    wait_for(lambda: _store_bytes(cluster, "read") >= large, 5, "the store to count the bytes read")
+    assert _store_bytes(cluster, "read_from_pages") == expected
+
+
+def _store_bytes(cluster: LocalCluster, *kinds: str) -> int:
+    """Bytes the stores' TCP data planes moved (by default read + written), from their /metrics."""
+    names = tuple(f"kvpool_store_bytes_{kind}_total " for kind in kinds or ("read", "written"))
     total = 0
     for store in cluster.stores:
         with urllib.request.urlopen(f"http://{store.endpoints['metrics']}/metrics", timeout=5) as resp:
             for line in resp.read().decode().splitlines():
-                if line.startswith(("kvpool_store_bytes_read_total ", "kvpool_store_bytes_written_total ")):
+                if line.startswith(names):
                     total += int(float(line.split()[1]))
     return total

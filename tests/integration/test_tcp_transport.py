@@ -24,7 +24,7 @@ from kvpool.common.checksum import LazyChecksum, checksum
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, make_grant, new_secret
-from kvpool.proto.frames import HEADER, MAGIC, Op
+from kvpool.proto.frames import FLAG_FROM_PAGES, HEADER, HEADER_SIZE, MAGIC, Op
 from kvpool.store.dataplane import DataPlaneServer, _Close
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
@@ -594,15 +594,24 @@ def test_a_hostile_answer_to_a_large_read(
 ) -> None:
     """Whatever a store answers, the read gets the same code from both loops, and no byte lands in the
     buffer unless the answer is an OK of exactly the bytes asked for; also when the compiled loop
-    receives through its bounce buffer (a destination 16 bytes into its page, the source at 0)."""
+    receives through its bounce buffer (a reply flagged as sent from the segment's pages, its source at
+    0, into a destination 16 bytes into its page)."""
     region = page_aligned(start + MIB)
     region[:] = b"\xee" * len(region)
     buf = region[start:]
-    assert transfer_against(reply, GrantOp.READ, buf) == [code]
+    answer = reply if start == 0 else lambda rid: from_pages(reply(rid))
+    assert transfer_against(answer, GrantOp.READ, buf) == [code]
     if code != ErrorCode.CONNECTION_FAILED:
         assert buf == b"\xee" * MIB
     else:  # the read failed and its buffer is scratch; still nothing past the bytes that came
         assert buf[1000:] == b"\xee" * (MIB - 1000)
+
+
+def from_pages(reply: bytes) -> bytes:
+    """The reply with FLAG_FROM_PAGES set in its header (if it has one), as a store sending by sendfile."""
+    if len(reply) < HEADER_SIZE:
+        return reply
+    return reply[:6] + struct.pack("<H", FLAG_FROM_PAGES) + reply[8:]
 
 
 @pytest.mark.parametrize(
@@ -667,15 +676,24 @@ def test_reads_and_writes_mixed_in_one_batch(transport: TcpTransport, store: Sto
     assert out == first
 
 
+@pytest.mark.parametrize("read_sendfile", [False, True], ids=["copied", "from-pages"])
 @pytest.mark.parametrize("source", [0, 64, 4032])
 @pytest.mark.parametrize("start", [0, 1, 16, 63, 64, 4080])
 def test_reads_land_exactly_wherever_the_destination_starts(
-    transport: TcpTransport, store: Store, source: int, start: int
+    tmp_path: Path, transport: TcpTransport, source: int, start: int, read_sendfile: bool
 ) -> None:
     """Large READs land byte for byte whatever the destination's page offset against the source's: the
-    compiled loop receives a destination 1-63 bytes past its source (mod 4 KiB) through its bounce
-    buffer (_lanes.c), 256 KiB at a time; a part of 700 KiB + 5 ends in a short chunk. Nothing around
-    the destination is touched."""
+    compiled loop receives a reply sent from the segment's pages (FLAG_FROM_PAGES) into a destination
+    1-63 bytes past its source (mod 4 KiB) through its bounce buffer (_lanes.c), 256 KiB at a time; a
+    part of 700 KiB + 5 ends in a short chunk. Nothing around the destination is touched."""
+    store = start_store(tmp_path, read_sendfile=read_sendfile)
+    try:
+        _reads_land_exactly(transport, store, source, start)
+    finally:
+        store.stop()
+
+
+def _reads_land_exactly(transport: TcpTransport, store: Store, source: int, start: int) -> None:
     sizes = [(700 << 10) + 5, 1 << 20]
     values = [random_bytes(n, 7 + i) for i, n in enumerate(sizes)]
     offsets = [source + off for off in lay_out([n + source for n in sizes])]

@@ -8,7 +8,7 @@ Header (28 bytes)::
 
     magic  u32   b"KVP1"
     op     u16   Op / RPC method id
-    flags  u16   FLAG_REVALIDATE on a READ/READV request, else 0
+    flags  u16   FLAG_REVALIDATE on a READ/READV request, FLAG_FROM_PAGES on a READ reply, else 0
     status i32   ErrorCode in responses, 0 in requests
     req_id u64   echoed in the response; responses on one connection come in request order
     length u64   payload bytes that follow
@@ -46,6 +46,10 @@ HEADER_SIZE = HEADER.size
 FLAG_REVALIDATE = 1
 """Header flag of a READ/READV: an entry with an ended (but authentic) grant is served if the store still
 holds exactly that object - the client's cached location of an object whose lease ran out."""
+FLAG_FROM_PAGES = 2
+"""Header flag of a READ reply (a hint, never needed for correctness): the store sent the payload from
+the segment's pages (sendfile), so in the client's kernel its first byte lies at the object's offset plus
+the part's, modulo 4 KiB. The compiled lane loop uses it to avoid a slow receive copy (transfer/_lanes.c)."""
 # segment_id, obj_offset, obj_length, expiry_ms, checksum, part_offset, part_length, key_len, mac
 DESC = struct.Struct(f"<QQQQQQQH{MAC_BYTES}s")
 MAX_KEY_BYTES = 512
@@ -53,8 +57,9 @@ MAX_RPC_PAYLOAD = 256 * 1024 * 1024
 VECTOR_COUNT = struct.Struct("<H")
 MAX_VECTOR_ENTRIES = 32
 VECTOR_MAX_PART = 128 * 1024
-"""Parts shorter than this may travel in READV/WRITEV frames. A longer part goes alone in a READ (the
-store sends that from the segment's file with sendfile, without copying it: decision 0009) or WRITE."""
+"""Parts shorter than this may travel in READV/WRITEV frames. A longer part goes alone in a READ or
+WRITE (one syscall of its own on both sides; a store started with --read-sendfile sends it from the
+segment's file: decisions 0009 and 0017)."""
 MAX_VECTOR_DESCS = VECTOR_COUNT.size + MAX_VECTOR_ENTRIES * (DESC.size + MAX_KEY_BYTES)
 """The longest count + descriptors of a READV/WRITEV frame (all of a READV's payload)."""
 

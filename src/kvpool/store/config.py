@@ -53,6 +53,11 @@ class StoreConfig:
         "sleeping (after a READ of up to 256 KiB, 1 us more per KiB, up to 4x): back-to-back small "
         "requests then skip the thread wake-up. 0 always sleeps.",
     )
+    read_sendfile: bool = option(
+        False,
+        "Send READ parts of 128 KiB and more from the segment file with sendfile instead of copying them: "
+        "less store CPU, but slower end-to-end on some hosts (docs/decisions/0017); measure before enabling.",
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1 << 20:

@@ -48,6 +48,7 @@ from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
 from kvpool.proto.frames import (
     DESC,
+    FLAG_FROM_PAGES,
     FLAG_REVALIDATE,
     HEADER,
     HEADER_SIZE,
@@ -83,8 +84,8 @@ _SCRATCH_BYTES = 256 * 1024
 _MAX_HELD_REPLIES = 16
 """Held replies are sent at the latest when this many wait (a client's pipeline window)."""
 _SENDFILE_MIN_BYTES = 128 << 10
-"""READ parts at least this long are sent with sendfile (when the segment's file system allows it); a
-smaller one leaves sooner as one sendmsg than as a header and a sendfile."""
+"""With ``read_sendfile``, READ parts at least this long are sent with sendfile (when the segment's file
+system allows it); a smaller one leaves sooner as one sendmsg than as a header and a sendfile."""
 _MAX_READ_PAYLOAD = DESC.size + MAX_KEY_BYTES
 MAX_HELLO_PAYLOAD = 4096
 """Longest token a HELLO may carry; a longer one is a malformed frame."""
@@ -104,19 +105,21 @@ class DataPlaneStats:
     bytes_read: int = 0
     bytes_written: int = 0
     reads_revalidated: int = 0
+    bytes_read_from_pages: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
 
 class _ConnStats:
     """One connection's counters, written only by its own thread (no lock on the hot path)."""
 
-    __slots__ = ("requests", "bytes_read", "bytes_written", "reads_revalidated", "errors")
+    __slots__ = ("requests", "bytes_read", "bytes_written", "reads_revalidated", "bytes_read_from_pages", "errors")
 
     def __init__(self) -> None:
         self.requests = 0
         self.bytes_read = 0
         self.bytes_written = 0
         self.reads_revalidated = 0
+        self.bytes_read_from_pages = 0
         self.errors: dict[ErrorCode, int] = {}
 
     def error(self, code: ErrorCode) -> None:
@@ -127,6 +130,7 @@ class _ConnStats:
         total.bytes_read += self.bytes_read
         total.bytes_written += self.bytes_written
         total.reads_revalidated += self.reads_revalidated
+        total.bytes_read_from_pages += self.bytes_read_from_pages
         for code, n in self.errors.items():
             total.errors[code.name] = total.errors.get(code.name, 0) + n
 
@@ -171,6 +175,7 @@ class DataPlaneServer:
         auth: TokenChecker | None = None,
         limits: ClientLimits | None = None,
         spin_us: int = 0,
+        read_sendfile: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -181,6 +186,7 @@ class DataPlaneServer:
         self._stall_timeout_s = stall_timeout_s
         self._socket_buffer = socket_buffer
         self._spin_s = spin_us / 1e6
+        self._read_sendfile = read_sendfile
         # Copy-on-write: the hot path reads these dicts without a lock; changes replace them whole.
         self._segments: dict[int, ShmSegment] = dict(segments)
         self._secrets: dict[int, bytes] = dict(secrets)
@@ -273,6 +279,7 @@ class DataPlaneServer:
                 t.bytes_read,
                 t.bytes_written,
                 t.reads_revalidated,
+                t.bytes_read_from_pages,
                 dict(t.errors),
             )
             live = [c.stats for c in self._conns]
@@ -558,22 +565,27 @@ class DataPlaneServer:
     def _send_part(self, conn: _Conn, seg: ShmSegment, req_id: int, start: int, length: int) -> None:
         """The READ answer: header, then the segment's bytes [start, start + length).
 
-        From the segment file with sendfile where the file system allows it: the socket then references
-        the segment's pages, so the store copies nothing (decision 0009). The pages
-        may change before the client has received them only if the range was re-allocated while its read
-        lease held, i.e. force-removed; every reader verifies the object's checksum, so that shows as a
-        mismatch, never as wrong bytes.
+        Copied from the mapping by one sendmsg, unless the store was started with ``read_sendfile``: then a
+        large part leaves from the segment file by sendfile and the socket references the segment's
+        pages (decision 0009: the store copies nothing; decision 0017: on some hosts the whole transfer
+        is slower that way). The pages may change before the client has received them only if the range
+        was re-allocated while its read lease held, i.e. force-removed; every reader verifies the
+        object's checksum, so that shows as a mismatch, never as wrong bytes.
         """
         sock = conn.sock
-        header = _take_held(conn) + HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, length)
-        if seg.fd >= 0 and length >= _SENDFILE_MIN_BYTES and seg.id not in self._no_sendfile:
-            sock.sendall(header, socket.MSG_MORE)  # the header leaves with the first bytes of the value
-            header = b""
+        held = _take_held(conn)
+        if self._read_sendfile and seg.fd >= 0 and length >= _SENDFILE_MIN_BYTES and seg.id not in self._no_sendfile:
+            # The header leaves with the first bytes of the value.
+            sock.sendall(held + HEADER.pack(MAGIC, Op.READ, FLAG_FROM_PAGES, 0, req_id, length), socket.MSG_MORE)
             if sendfile_all(sock, seg.fd, start, length) == length:
+                conn.stats.bytes_read_from_pages += length
                 return
             # Refused before any byte left (sendfile_all's contract): the whole part is copied below.
             self._no_sendfile.add(seg.id)
             logger.warning("data plane: sendfile refused for segment %s; reads of it are copied", seg.path)
+            header = b""
+        else:
+            header = held + HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, length)
         data = seg.view[start : start + length]
         try:
             send_all(sock, header, data)

@@ -163,6 +163,7 @@ class StoreServer:
             auth=TokenChecker.from_file(cfg.token_file),
             limits=ClientLimits(cfg.max_connections_per_client, cfg.max_inflight_bytes_per_client),
             spin_us=cfg.spin_us,
+            read_sendfile=cfg.read_sendfile,
         )
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
@@ -362,6 +363,11 @@ class _StoreCollector(Collector):
             "kvpool_store_reads_revalidated",
             "Reads served on an ended grant because this store still holds the object (decision 0014)",
             value=s.reads_revalidated,
+        )
+        yield CounterMetricFamily(
+            "kvpool_store_bytes_read_from_pages",
+            "Bytes served by sendfile from the segment's pages (--read-sendfile; decision 0017)",
+            value=s.bytes_read_from_pages,
         )
         yield CounterMetricFamily(
             "kvpool_store_connections_rejected",

@@ -23,8 +23,9 @@
  *     closing       statuses after which the store closes the connection: they stop the job, as does a
  *                   failure status in a reply of another op (a HELLO refusing the token)
  *     sources       READs: per part, where in its 4 KiB page the store's first byte of the reply payload
- *                   lies (-1: not known), or None. A part whose destination starts 1-63 bytes past that
- *                   modulo 4 KiB is received through a bounce buffer (see "Bounced receives" below)
+ *                   lies when the store sends it from the segment's pages (-1: not known), or None. A
+ *                   part whose reply says so (FLAG_FROM_PAGES) and whose destination starts 1-63 bytes
+ *                   past that modulo 4 KiB is received through a bounce buffer ("Bounced receives" below)
  * -> (codes, outcome, reply_op, message, armed)
  *     codes         the status of each answered part, in order (a prefix of the parts)
  *     outcome       DONE, STOPPED (the last code is the stopping status), BAD_FRAME, TIMED_OUT or
@@ -37,8 +38,10 @@
  *
  * Bounced receives. The kernel copies socket data into user memory with `rep movsb`, which on AMD Zen
  * (measured on an AMD EPYC VM) runs 2-3x slower when the destination is 1-63 bytes past the source
- * modulo 4 KiB (glibc's memcpy too, between 4 and 512 KiB: vector_copy). A store sends a large READ
- * from its segment's pages (sendfile), so the source of part i is known: sources[i]. A destination 16
+ * modulo 4 KiB (glibc's memcpy too, between 4 and 512 KiB: vector_copy). A store started with
+ * --read-sendfile sends a large READ from its segment's pages and flags the reply FLAG_FROM_PAGES, so the
+ * source of part i is known: sources[i]. (A copied reply's source is wherever the store's kernel put it
+ * in its socket buffers, unknown here: it is received directly.) A destination 16
  * bytes into its page (a large numpy array or bytearray: glibc's chunk header) is exactly that case.
  * Such a part is received BOUNCE_BYTES at a time into a page-aligned scratch buffer at the source's
  * offset, then copied with vector moves (vector_copy): batched 1 MiB gets into destinations 16 bytes
@@ -62,6 +65,7 @@
 
 #define MAGIC 0x3150564Bu /* b"KVP1" little-endian, as frames.MAGIC */
 #define HEADER_SIZE 28    /* frames.HEADER: <IHHiQQ */
+#define FLAG_FROM_PAGES 2 /* frames.FLAG_FROM_PAGES: a READ reply sent from the segment's pages */
 #define MAX_CLOSING 16
 #define PAGE 4096u
 #define SHORT_DISTANCE 63u      /* destination this far past the source (mod PAGE): the slow copy */
@@ -280,11 +284,12 @@ static int receive(io_t *io, job_t *job) {
         return rc;
     }
     uint32_t magic;
-    uint16_t reply_op;
+    uint16_t reply_op, flags;
     int32_t status;
     uint64_t req_id, length;
     memcpy(&magic, header, 4);
     memcpy(&reply_op, header + 4, 2);
+    memcpy(&flags, header + 6, 2);
     memcpy(&status, header + 8, 4);
     memcpy(&req_id, header + 12, 8);
     memcpy(&length, header + 20, 8);
@@ -317,7 +322,7 @@ static int receive(io_t *io, job_t *job) {
             return BAD_FRAME;
         }
         char *dest = job->buffers[i].buf;
-        if (job->sources != NULL && short_distance(dest, job->sources[i])) {
+        if ((flags & FLAG_FROM_PAGES) && job->sources != NULL && short_distance(dest, job->sources[i])) {
             rc = recv_bounced(io, job, dest, (size_t)length, job->sources[i]);
         } else {
             rc = recv_all(io, dest, (size_t)length);
@@ -616,7 +621,8 @@ PyMODINIT_FUNC PyInit__lanes(void) {
     if (PyModule_AddIntConstant(module, "DONE", DONE) != 0 || PyModule_AddIntConstant(module, "STOPPED", STOPPED) != 0 ||
         PyModule_AddIntConstant(module, "BAD_FRAME", BAD_FRAME) != 0 ||
         PyModule_AddIntConstant(module, "TIMED_OUT", TIMED_OUT) != 0 ||
-        PyModule_AddIntConstant(module, "CONNECTION_FAILED", CONNECTION_FAILED) != 0) {
+        PyModule_AddIntConstant(module, "CONNECTION_FAILED", CONNECTION_FAILED) != 0 ||
+        PyModule_AddIntConstant(module, "FLAG_FROM_PAGES", FLAG_FROM_PAGES) != 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -7,6 +7,7 @@ STOPPED: int
 BAD_FRAME: int
 TIMED_OUT: int
 CONNECTION_FAILED: int
+FLAG_FROM_PAGES: int
 
 def pipeline(
     fd: int,

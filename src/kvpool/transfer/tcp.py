@@ -414,9 +414,10 @@ class _ReadCheck:
 
 
 def _source_page(part: _Part) -> int:
-    """Where in its 4 KiB page the first byte the store sends for this large READ part lies: the store
-    sends it from the segment's pages (sendfile), at the object's offset plus the part's. The compiled
-    loop bounces a part whose destination would make the kernel's copy slow (_lanes.c)."""
+    """Where in its 4 KiB page the first byte the store sends for this large READ part lies if the store
+    sends it from the segment's pages (sendfile; its reply then says FLAG_FROM_PAGES): at the object's
+    offset plus the part's. The compiled loop bounces such a part when its destination would make the
+    kernel's copy slow (_lanes.c)."""
     assert part.replica is not None
     return (part.replica.offset + part.part_offset) % 4096
 
