@@ -718,6 +718,12 @@ def _reads_land_exactly(transport: TcpTransport, store: Store, source: int, star
     assert region[pos:] == b"\xa5" * (len(region) - pos)
 
 
+def test_the_compiled_loop_knows_the_reply_flag_of_the_protocol() -> None:
+    if tcp.native_lanes is None:
+        pytest.skip("kvpool.transfer._lanes was not built")
+    assert tcp.native_lanes.FLAG_FROM_PAGES == FLAG_FROM_PAGES
+
+
 def test_the_compiled_loop_refuses_bad_source_offsets() -> None:
     if tcp.native_lanes is None:
         pytest.skip("kvpool.transfer._lanes was not built")
