@@ -202,6 +202,30 @@ def test_large_objects_are_striped_over_every_connection(store: Store, threads_s
     assert len(store.inventory) == 1
 
 
+@pytest.mark.parametrize(("values", "parts"), [(8, 8), (5, 10), (1, 2)])
+def test_a_batch_of_large_values_is_striped_only_where_that_finishes_sooner(
+    store: Store, threads_settle: None, values: int, parts: int
+) -> None:
+    """Eight values of 2 MiB keep four lanes busy whole: 8 requests each way. Five would leave one lane with
+    two while the others wait, so they are striped at 1 MiB (10 parts), as is a single one (2 parts)."""
+    t = TcpTransport(connections_per_endpoint=4, stripe_bytes=1 << 20)
+    try:
+        put_then_get(t, store, [2 << 20] * values)
+        assert store.server is not None
+        stats = store.server.statistics()
+        assert stats.requests == 2 * parts + stats.connections  # and a READV probe per connection
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("length", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 5 << 20, (7 << 20) + 3])
+def test_stripes_are_near_equal_and_cover_the_value(length: int) -> None:
+    sizes = tcp._near_equal_parts(length, 1 << 20)
+    assert sum(sizes) == length
+    assert len(sizes) == max(1, -(-length // (1 << 20)))
+    assert max(sizes) <= 1 << 20 and max(sizes) - min(sizes) < len(sizes)
+
+
 def test_a_batch_of_256_objects(transport: TcpTransport, store: Store) -> None:
     put_then_get(transport, store, [4096] * 256)
     put_then_get(transport, store, [(i * 7919) % 150_000 + 1 for i in range(256)])
