@@ -223,7 +223,8 @@ def test_stripes_are_near_equal_and_cover_the_value(length: int) -> None:
     sizes = tcp._near_equal_parts(length, 1 << 20)
     assert sum(sizes) == length
     assert len(sizes) == max(1, -(-length // (1 << 20)))
-    assert max(sizes) <= 1 << 20 and max(sizes) - min(sizes) < len(sizes)
+    assert max(sizes) <= 1 << 20
+    assert max(sizes) - min(sizes) < len(sizes)
 
 
 def test_a_batch_of_256_objects(transport: TcpTransport, store: Store) -> None:
