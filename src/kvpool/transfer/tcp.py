@@ -1422,13 +1422,11 @@ class TcpTransport(Transport):
         sizes = _near_equal_parts(length, self.stripe_bytes) if stripe else [length]
         check = _ReadCheck(req, len(sizes)) if req.verify and op == Op.READ else None
         flags = FLAG_REVALIDATE if req.revalidate and op == Op.READ else 0
-        if len(sizes) == 1:
-            return [_Part(index, op, view[:length], replica, req.key, req.checksum, 0, check, flags)]
-        size = sizes[0]
-        return [
-            _Part(index, op, view[off : min(off + size, length)], replica, req.key, req.checksum, off, check, flags)
-            for off in range(0, length, size)
-        ]
+        parts, off = [], 0
+        for n in sizes:
+            parts.append(_Part(index, op, view[off : off + n], replica, req.key, req.checksum, off, check, flags))
+            off += n
+        return parts
 
     def _deal(self, batch: _Batch, endpoint: _Endpoint, parts: list[_Part]) -> list[tuple[_Lane, _Job]]:
         """Give each part to the least-loaded lane (bytes queued + a per-request cost), in order."""
