@@ -422,13 +422,21 @@ def _near_equal_parts(length: int, stripe: int) -> list[int]:
     return [min(size, length - off) for off in range(0, length, size)] if length else [0]
 
 
-def _makespan(sizes: list[int], lanes: int) -> int:
-    """The busiest lane's cost once ``sizes`` are dealt as ``_deal`` deals them (least loaded first, in
-    order, each part costing its bytes plus a request) to ``lanes`` idle lanes."""
-    loads = [0] * min(lanes, max(1, len(sizes)))
+def _least_loaded(sizes: list[int], loads: list[int]) -> list[int]:
+    """Deal parts of ``sizes`` bytes, in order, each to the lane with the least load so far (a part costs
+    its bytes plus a request); ``loads`` is updated. The lane index of each part."""
+    picks = []
     for n in sizes:
         i = loads.index(min(loads))
         loads[i] += n + _PART_OVERHEAD
+        picks.append(i)
+    return picks
+
+
+def _makespan(sizes: list[int], lanes: int) -> int:
+    """The busiest lane's cost once ``sizes`` are dealt to ``lanes`` idle lanes as ``_deal`` deals them."""
+    loads = [0] * min(lanes, max(1, len(sizes)))
+    _least_loaded(sizes, loads)
     return max(loads)
 
 
@@ -1436,13 +1444,10 @@ class TcpTransport(Transport):
             return [(lanes[0], _Job(batch, parts, cost))]
         per_lane: list[list[_Part]] = [[] for _ in lanes]
         loads = [lane.load for lane in lanes]
-        added = [0] * len(lanes)
-        for part in parts:
-            i = loads.index(min(loads))
+        before = list(loads)
+        for part, i in zip(parts, _least_loaded([len(p.view) for p in parts], loads), strict=True):
             per_lane[i].append(part)
-            cost = len(part.view) + _PART_OVERHEAD
-            loads[i] += cost
-            added[i] += cost
+        added = [after - start for after, start in zip(loads, before, strict=True)]
         return [
             (lane, _Job(batch, lane_parts, cost))
             for lane, lane_parts, cost in zip(lanes, per_lane, added, strict=True)
