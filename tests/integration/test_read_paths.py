@@ -32,6 +32,18 @@ def test_values_returned_by_get_stay_as_they_were_after_later_reads(cluster: Loc
         assert all(type(v) is bytes for v in [first, *batch, *later] if v is not None)
 
 
+def test_a_batch_larger_than_the_kept_landing_buffer_reads_whole(cluster: LocalCluster) -> None:
+    """A batch_get whose values exceed what a thread keeps between calls lands in a buffer of its own;
+    the small reads after it still use (and do not disturb) what the big one returned."""
+    big = {f"big-{i}": os.urandom((4 << 20) + i) for i in range(5)}
+    with client(cluster.master) as pool:
+        assert pool.batch_put(list(big), list(big.values())) == [0] * len(big)
+        assert pool.put("small", b"s" * 1000) == 0
+        got = pool.batch_get(list(big))
+        assert pool.get("small") == b"s" * 1000
+        assert got == list(big.values())
+
+
 def _first_replica_store(pool: PoolClient, cluster: LocalCluster, key: str) -> ProcInfo:
     """The store this client reads ``key`` from first (the head of its read order)."""
     results, _, _ = pool._get_replicas([key], Deadline(5.0), use_cache=False)

@@ -45,8 +45,9 @@ log = get_logger(__name__)
 
 Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, memoryview, numpy, torch.numpy())
 
-# The largest per-thread landing buffer of batch_get kept between calls; a larger call allocates its own.
-_SCRATCH_KEEP = 64 << 20
+# The largest per-thread landing buffer of batch_get kept between calls (every thread that calls get keeps
+# one: an engine's thread pool must not hold gigabytes); a larger call allocates a buffer of its own.
+_SCRATCH_KEEP = 16 << 20
 
 # How long a store whose replica did not answer within its share of a read's deadline is read last.
 _SUSPECT_S = 5.0
