@@ -12,6 +12,10 @@ remove over keys whose values live at offsets of two registered 32 MiB buffers) 
     dataset value once and check one value byte for byte.
 ``{"cmd": "run", "op": "put"|"get"|"exists"|..., "size": int, "batch": int, "seconds": float, ...}``
     time one workload; the answer carries per-call latencies summarised (gbps, ops_per_s, p50/p99).
+    ``get`` re-reads the dataset (every value was read in the warm step: a re-read); ``get_first`` reads
+    keys never read before (written off the clock just before, one read each, removed after) into the
+    registered buffer; ``get_bytes`` does the same through the system's plain get, which returns a new
+    object.
 ``{"cmd": "quit"}``
 
 The protocol uses a private copy of the process's stdout; file descriptor 1 is pointed at stderr so
@@ -33,6 +37,7 @@ from typing import Any, TextIO
 CALL_BYTES = 32 << 20  # the largest batch of one call (and the size of each registered buffer)
 FILL_VALUE = 4 << 20  # filler value size of the warm step
 MAX_CALLS = 200_000  # bound of any timed loop, whatever its duration
+FIRST_READ_WINDOW = 64 << 20  # values written (off the clock) per round of a first-read workload
 Result = list[int]
 
 
@@ -79,6 +84,11 @@ class Backend:
         raise NotImplementedError
 
     def exists(self, keys: Sequence[str], single: bool) -> Result:
+        raise NotImplementedError
+
+    def get_bytes(self, key: str) -> int:
+        """The system's plain single-key get, which returns the value as a new object: its length, or
+        negative where it is missing."""
         raise NotImplementedError
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -244,6 +254,8 @@ class Engine:
             return self.run_get(spec)
         if op == "exists":
             return self.run_exists(spec)
+        if op in ("get_first", "get_bytes"):
+            return self.run_first_get(spec, op)
         raise ValueError(f"unknown op {op!r}")
 
     @staticmethod
@@ -309,6 +321,41 @@ class Engine:
             for start in range(0, len(written), 1000):  # off the clock
                 self.b.remove(written[start : start + 1000])
         return summarise("put", size, batch, latencies, elapsed, keys - errors, errors, bool(spec.get("raw")))
+
+    def run_first_get(self, spec: dict[str, Any], op: str) -> dict[str, Any]:
+        """Reads of keys never read before: rounds of fresh values written off the clock, each read once
+        (``get_first``: into the registered buffer; ``get_bytes``: the plain get returning a new object),
+        then removed off the clock."""
+        size, batch = int(spec["size"]), int(spec["batch"])
+        single = batch == 1
+        window = max(batch, min(int(spec.get("window_bytes", FIRST_READ_WINDOW)), FIRST_READ_WINDOW) // size)
+        window -= window % batch
+        seconds, min_calls, max_calls = self._limits(spec)
+        latencies: list[float] = []
+        errors = keys = 0
+        elapsed = 0.0
+        get_bytes = self.b.get_bytes
+        while (elapsed < seconds or len(latencies) < min_calls) and len(latencies) < max_calls:
+            self.put_seq += 1
+            names = [f"{self.ns}/f/{self.put_seq}/{j}" for j in range(window)]
+            self._put_all(names, size)
+            now = time.perf_counter()
+            for part, offs in chunks(names, size, batch):
+                if op == "get_bytes":
+                    codes = [get_bytes(key) for key in part]
+                else:
+                    codes = self.b.get(part, offs, size, single)
+                after = time.perf_counter()
+                latencies.append(after - now)
+                elapsed += after - now
+                now = after
+                keys += len(part)
+                errors += sum(1 for c in codes if c != size)
+                if (elapsed >= seconds and len(latencies) >= min_calls) or len(latencies) >= max_calls:
+                    break
+            for start in range(0, len(names), 1000):
+                self.b.remove(names[start : start + 1000])
+        return summarise(op, size, batch, latencies, elapsed, keys - errors, errors, bool(spec.get("raw")))
 
     def run_exists(self, spec: dict[str, Any]) -> dict[str, Any]:
         batch = int(spec["batch"])

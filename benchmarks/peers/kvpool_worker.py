@@ -68,6 +68,10 @@ class KvpoolBackend(Backend):
             return [self.client.get_into(keys[0], self._dst(offsets[0], size))]
         return self.client.batch_get_into(keys, [self._dst(o, size) for o in offsets])
 
+    def get_bytes(self, key: str) -> int:
+        value = self.client.get(key)
+        return -1 if value is None else len(value)
+
     def exists(self, keys: Sequence[str], single: bool) -> Result:
         if single:
             return [self.client.is_exist(keys[0])]

@@ -70,6 +70,10 @@ class MooncakeBackend(Backend):
             return [self.store.get_into(keys[0], base + offsets[0], size)]
         return list(self.store.batch_get_into(keys, [base + o for o in offsets], [size] * len(keys)))
 
+    def get_bytes(self, key: str) -> int:
+        value = self.store.get(key)  # bytes; empty where the key is missing
+        return len(value) if value else -1
+
     def exists(self, keys: Sequence[str], single: bool) -> Result:
         if single:
             return [self.store.is_exist(keys[0])]

@@ -84,6 +84,10 @@ class RedisBackend(Backend):
                     self.dst.view[off : off + len(value)] = value
         return [len(v) if v is not None else -1 for v in values]
 
+    def get_bytes(self, key: str) -> int:
+        value = self.redis.get(key)
+        return -1 if value is None else len(value)
+
     def exists(self, keys: Sequence[str], single: bool) -> Result:
         if single:
             return [int(self.redis.exists(keys[0]))]

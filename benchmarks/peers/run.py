@@ -53,15 +53,28 @@ def _workloads() -> list[tuple[str, int, int]]:
             out += [(op, size, 1), (op, size, CALL_BYTES // size)]
     out += [("exists", 0, 1), ("exists", 0, EXISTS_KEYS)]
     out += [("get_same_node", size, CALL_BYTES // size) for size in (1 * MiB, 4 * MiB)]
+    # first reads (keys never read before), the plain get returning bytes, and a HiCache batch of small pages
+    out += [("get_first", size, 1) for size in SIZES]
+    out += [("get_bytes", size, 1) for size in SIZES]
+    out += [(op, 64 * KiB, HICACHE_BATCH) for op in ("put", "get", "get_first")]
     return out
+
+
+HICACHE_BATCH = 128  # pages of one SGLang HiCache batch
+FIRST_READ_OPS = ("get_first", "get_bytes")  # get workloads whose every read is of a key never read before
+_NAMES = {"get_same_node": "same-node get", "get_first": "first get", "get_bytes": "get() bytes, first"}
 
 
 def _label(op: str, size: int, batch: int) -> str:
     if op == "exists":
         return "exists single" if batch == 1 else f"batch-exists x{batch}"
     mode = "single" if batch == 1 else f"batched x{batch}"
-    name = "same-node get" if op == "get_same_node" else op
-    return f"{name} {_size(size)} {mode}"
+    return f"{_NAMES.get(op, op)} {_size(size)} {mode}"
+
+
+def first_read(op: str) -> bool | None:
+    """Whether a workload's reads are first reads (None: not a get workload)."""
+    return op in FIRST_READ_OPS if op.startswith("get") else None
 
 
 def _size(n: int) -> str:
@@ -449,6 +462,8 @@ def summarise(
         row["runs"] = len(runs)
         row["samples"] = [_metric({"op": op, **r}) for r in runs]
         row["errors"] = sum(r.get("errors", 0) for r in runs)
+        if (first := first_read(op)) is not None:
+            row["first_read"] = first
         rows.append(row)
     for (system, op, size, batch), reason in missing.items():
         if (system, op, size, batch) not in samples:
@@ -464,6 +479,7 @@ def summarise(
                     "p99_us": None,
                     "runs": 0,
                     "missing": reason,
+                    **({"first_read": first_read(op)} if first_read(op) is not None else {}),
                 }
             )
     return rows
@@ -494,6 +510,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kvpool/mooncake": _ratio(kv_value, peers.get("mooncake")),
                 "kvpool/redis": _ratio(kv_value, peers.get("redis")),
                 "kvpool/best_peer": _ratio(kv_value, peers[best] if best else None),
+                **({"first_read": first_read(op)} if first_read(op) is not None else {}),
             }
         )
     return out
@@ -556,6 +573,7 @@ def acceptance(
         "mooncake_ops_per_s",
         unit="keys/s",
     )
+    out.update(_client_path_lines(value, line))
     for name, entry in out.items():
         if entry["kvpool"] is None:
             row = by.get(("kvpool", *_acceptance_key(name)))
@@ -563,7 +581,56 @@ def acceptance(
     return out
 
 
+# The client paths of the "every client path at least as fast as the best peer" issue: name -> (op, size,
+# batch, the ratio to the best peer it needs).
+CLIENT_PATHS = {
+    "first_get_64KiB": ("get_first", 64 * KiB, 1, 1.0),
+    "first_get_1MiB": ("get_first", 1 * MiB, 1, 1.0),
+    "put_single_64KiB": ("put", 64 * KiB, 1, 1.0),
+    "get_bytes_1MiB": ("get_bytes", 1 * MiB, 1, 1.0),
+    "get_bytes_4MiB": ("get_bytes", 4 * MiB, 1, 1.0),
+    "put_batched_64KiB": ("put", 64 * KiB, CALL_BYTES // (64 * KiB), 1.5),
+    "get_batched_64KiB": ("get", 64 * KiB, CALL_BYTES // (64 * KiB), 1.5),
+    f"put_hicache_x{HICACHE_BATCH}_64KiB": ("put", 64 * KiB, HICACHE_BATCH, 1.5),
+    f"get_hicache_x{HICACHE_BATCH}_64KiB": ("get", 64 * KiB, HICACHE_BATCH, 1.5),
+    f"first_get_hicache_x{HICACHE_BATCH}_64KiB": ("get_first", 64 * KiB, HICACHE_BATCH, 1.5),
+}
+
+
+def _client_path_lines(
+    value: Callable[[str, str, int, int], float | None], line: Callable[..., dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Each client path against the best peer on the same path, and kvpool's plain get of 1-4 MiB
+    against its own get_into of the same size (both first reads)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (op, size, batch, need) in CLIENT_PATHS.items():
+        known = {p: v for p in PEERS if (v := value(p, op, size, batch)) is not None}
+        best = max(known, key=lambda p: known[p]) if known else None
+        out[f"{name}_vs_best_peer"] = line(
+            value("kvpool", op, size, batch),
+            known.get(best) if best else None,
+            need,
+            "best_peer_gbps",
+            best_peer=best,
+            unit="GB/s",
+        )
+    for size in (1 * MiB, 4 * MiB):
+        out[f"get_bytes_{_size(size)}_vs_get_into"] = line(
+            value("kvpool", "get_bytes", size, 1),
+            value("kvpool", "get_first", size, 1),
+            0.8,
+            "get_into_gbps",
+            unit="GB/s",
+        )
+    return out
+
+
 def _acceptance_key(name: str) -> tuple[str, int, int]:
+    for path, (op, size, batch, _) in CLIENT_PATHS.items():
+        if name.startswith(path + "_vs_"):
+            return op, size, batch
+    if name.startswith("get_bytes_") and name.endswith("_vs_get_into"):
+        return "get_bytes", MiB if "_1MiB_" in name else 4 * MiB, 1
     if name.startswith("same_node_get_"):
         size = MiB if "_1MiB_" in name else 4 * MiB
         return "get_same_node", size, CALL_BYTES // size
@@ -734,6 +801,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset-mib", type=int, help="get dataset per value size, MiB (default 256)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     parser.add_argument(
+        "--workloads",
+        default="",
+        help="comma-separated substrings: run only the workloads whose label contains one (e.g. 'first,single')",
+    )
+    parser.add_argument(
         "--redis-pipeline-bytes",
         type=int,
         default=Redis.pipeline_bytes,
@@ -826,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 system.stop()
                 systems.remove(system)
-        workloads = _workloads()
+        wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        workloads = [w for w in _workloads() if not wanted or any(x in _label(*w) for x in wanted)]
         for run in range(runs):
             loads.append(os.getloadavg()[0])
             log(f"run {run + 1}/{runs} (load average {loads[-1]:.2f})")

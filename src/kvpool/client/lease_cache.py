@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvpool.common.clock import Clock
@@ -141,22 +141,40 @@ class LeaseCache:
         counts its reads to decide when to promote it from SSD. With ``unless_dropped_since`` (a
         ``drops`` value read before the lookup) nothing is kept if entries were dropped meanwhile: a
         background renewal must not bring back the entry of an object this client has just removed."""
-        if not self._max:
+        self.put_many([(key, result)], unless_dropped_since)
+
+    def put_many(self, items: Sequence[tuple[str, Any]], unless_dropped_since: int | None = None) -> None:
+        """``put`` of each (key, result), under one clock reading and one acquisition of the lock (the
+        answers of one batched lookup: ~3 us a key less than a ``put`` each)."""
+        if not self._max or not items:
             return
         now = self._clock.wall_ms()
-        until = min(result.lease_expiry_ms, min((d.expiry_ms for d in result.replicas), default=0)) - self._margin_ms
-        cacheable = until > now and any(d.tier == 0 for d in result.replicas)
-        renew_at = now + int((until - now) * RENEW_AFTER) if self._on_renewal_due is not None else until
+        margin = self._margin_ms
+        renews = self._on_renewal_due is not None
+        staged = []
+        for key, result in items:
+            until = result.lease_expiry_ms
+            in_dram = False
+            for replica in result.replicas:
+                until = min(until, replica.expiry_ms)
+                in_dram = in_dram or replica.tier == 0
+            until -= margin
+            if not (in_dram and until > now):
+                staged.append((key, 0, 0, None))
+                continue
+            staged.append((key, until, now + int((until - now) * RENEW_AFTER) if renews else until, result))
         with self._lock:
             if unless_dropped_since is not None and unless_dropped_since != self._drops:
                 return
-            if not cacheable:  # not a removal by the client: it does not count as a drop
-                self._entries.pop(key, None)
-                return
-            self._entries[key] = (until, renew_at, result)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+            entries = self._entries
+            for key, until, renew_at, kept in staged:
+                if kept is None:  # not a removal by the client: it does not count as a drop
+                    entries.pop(key, None)
+                    continue
+                entries[key] = (until, renew_at, kept)
+                entries.move_to_end(key)
+            while len(entries) > self._max:
+                entries.popitem(last=False)
 
     def drop(self, keys: Iterable[str]) -> None:
         with self._lock:

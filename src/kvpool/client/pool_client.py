@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,13 @@ _FIRST_MAPPABLE_ADDRESS = 4096
 log = get_logger(__name__)
 
 Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, memoryview, numpy, torch.numpy())
+
+# The largest per-thread landing buffer of batch_get kept between calls (every thread that calls get keeps
+# one: an engine's thread pool must not hold gigabytes); a larger call allocates a buffer of its own.
+_SCRATCH_KEEP = 16 << 20
+
+# How long a store whose replica did not answer within its share of a read's deadline is read last.
+_SUSPECT_S = 5.0
 
 # Codes a put maps to success: the value is immutable and already there (or on its way).
 _PUT_OK = {ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_NOT_READY}
@@ -178,6 +186,9 @@ class PoolClient:
             on_renewal_due=self._renewer.request if self._renewer else None,
             keep_hints=cfg.revalidate_reads and self._renewer is not None,
         )
+        self._suspects: dict[str, float] = {}  # tcp endpoint -> monotonic time its suspicion ends
+        self._suspects_lock = threading.Lock()
+        self._scratch = threading.local()  # each thread's landing buffer of batch_get
         self._closed = False
 
     @classmethod
@@ -356,13 +367,40 @@ class PoolClient:
         return self.batch_get([key], timeout)[0]
 
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
+        """Each value as new ``bytes`` the caller owns (None where missing or unreadable). The objects land
+        in this thread's reusable read buffer and are copied once from there into their ``bytes``: no
+        zero-filled or freshly faulted memory per call. ``batch_get_into`` lands them in the caller's
+        buffers with no copy at all."""
         if not keys:
             return []
         deadline = self._deadline(timeout)
         results, cached, hinted = self._get_replicas(keys, deadline)
-        buffers = [bytearray(r.size) if r.code == 0 else bytearray() for r in results]
-        codes = self._read_resolved(keys, results, cached, hinted, [memoryview(b) for b in buffers], deadline)
-        return [bytes(b[:c]) if c >= 0 else None for b, c in zip(buffers, codes, strict=True)]
+        landing, views = self._landing_views([r.size if r.code == 0 else 0 for r in results])
+        try:
+            codes = self._read_resolved(keys, results, cached, hinted, views, deadline)
+            return [bytes(v[:c]) if c >= 0 else None for v, c in zip(views, codes, strict=True)]
+        finally:
+            for view in views:
+                view.release()
+            landing.release()
+
+    def _landing_views(self, sizes: list[int]) -> tuple[memoryview, list[memoryview]]:
+        """This thread's read buffer (grown to the call's total and kept up to ``_SCRATCH_KEEP`` bytes;
+        a larger call gets a buffer of its own) and one slice of it per size."""
+        total = sum(sizes)
+        scratch = self._scratch
+        buf: bytearray | None = getattr(scratch, "buf", None)
+        if buf is None or len(buf) < total:
+            buf = bytearray(total)
+            if total <= _SCRATCH_KEEP:
+                scratch.buf = buf
+        landing = memoryview(buf)
+        views = []
+        offset = 0
+        for size in sizes:
+            views.append(landing[offset : offset + size])
+            offset += size
+        return landing, views
 
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
         return self.batch_get_into([key], [buffer], timeout)[0]
@@ -428,10 +466,12 @@ class PoolClient:
             except KvPoolError as exc:
                 self._counters.add(degraded_calls=1)
                 answers = [_Resolved(int(exc.code))] * len(asked)
+            readable = []
             for i, key, result in zip(missing, asked, answers, strict=True):
                 found[i] = result
                 if result.code == ErrorCode.OK:
-                    leases.put(key, result, unless_dropped_since=drops)
+                    readable.append((key, result))
+            leases.put_many(readable, unless_dropped_since=drops)
         return cast(list[_Resolved], found), cached, hinted  # every position is filled now
 
     def _renew_leases(self, keys: list[str]) -> None:
@@ -492,12 +532,15 @@ class PoolClient:
             elif not r.replicas:
                 codes[i] = int(ErrorCode.OBJECT_NOT_FOUND)
             elif i in hinted:
-                pending[i] = list(hinted[i])
+                pending[i] = self._unsuspected_first(hinted[i])
             else:
                 replicas = r.replicas
-                pending[i] = self._transports.order(replicas) if len(replicas) > 1 else list(replicas)
+                pending[i] = (
+                    self._unsuspected_first(self._transports.order(replicas)) if len(replicas) > 1 else list(replicas)
+                )
         while pending:
             batch = {i: replicas.pop(0) for i, replicas in pending.items()}
+            attempt = self._attempt_deadline(deadline, min(len(pending[i]) for i in batch))
             # The transport verifies each object's checksum as soon as its bytes land.
             requests = [
                 TransferRequest(
@@ -511,12 +554,42 @@ class PoolClient:
                 )
                 for i, rep in batch.items()
             ]
-            for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
+            for (i, rep), code in zip(batch.items(), self._transports.transfer(requests, attempt), strict=True):
+                if code == ErrorCode.TIMEOUT and attempt is not deadline:
+                    self._suspect(rep)
                 code = self._verify(code, results[i], i in hinted)
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
                     del pending[i]
         return codes
+
+    def _attempt_deadline(self, deadline: Deadline, fallbacks: int) -> Deadline:
+        """The deadline of one round of reads: when every object of the round has ``fallbacks`` (>= 1)
+        other replicas left, an equal share of what is left of the call's deadline (of the configured
+        timeout, for a call without one), so that a replica that does not answer (a hung store) leaves
+        time to read another; otherwise the call's deadline."""
+        if fallbacks < 1:
+            return deadline
+        remaining = deadline.remaining()
+        budget = self.config.timeout_s if remaining is None else remaining
+        return Deadline(budget / (fallbacks + 1))
+
+    def _suspect(self, replica: Replica) -> None:
+        """A replica's store did not answer within its share: read its other objects from elsewhere
+        first for a while (it is still tried, last, where it is the only one left)."""
+        with self._suspects_lock:
+            self._suspects[replica.tcp_endpoint] = time.monotonic() + _SUSPECT_S
+
+    def _unsuspected_first(self, replicas: Sequence[Replica]) -> list[Replica]:
+        """``replicas`` (in read preference), those on stores suspected of hanging moved last."""
+        if not self._suspects:
+            return list(replicas)
+        now = time.monotonic()
+        with self._suspects_lock:
+            for endpoint in [e for e, until in self._suspects.items() if until <= now]:
+                del self._suspects[endpoint]
+            suspects = set(self._suspects)
+        return sorted(replicas, key=lambda r: r.tcp_endpoint in suspects)
 
     def _verify(self, code: ErrorCode, result: _Resolved, revalidated: bool = False) -> ErrorCode:
         """The transport checked the bytes against the checksum; the lease must still hold too, unless
@@ -620,4 +693,19 @@ class _Resolved(NamedTuple):
 
 
 def _resolved(r: pb.GetReplicasResult) -> _Resolved:
-    return _Resolved(r.code, r.size, r.checksum, r.lease_expiry_ms, tuple(replica_of(d) for d in r.replicas))
+    # tuple.__new__ builds the named tuples with every field given, without their generated __new__
+    # (a third of the conversion of a batched lookup's answers, which a first read pays per key).
+    return _new_tuple(
+        _Resolved,
+        (r.code, r.size, r.checksum, r.lease_expiry_ms, tuple([_replica(d) for d in r.replicas])),
+    )
+
+
+def _replica(d: pb.ReplicaDescriptor) -> Replica:
+    """``replica_of(d)``, every field of Replica given in its order."""
+    return _new_tuple(
+        Replica, (d.segment_id, d.node, d.tcp_endpoint, d.shm_path, d.offset, d.length, d.expiry_ms, d.mac, d.tier)
+    )
+
+
+_new_tuple: Callable[[type[R], tuple[Any, ...]], R] = tuple.__new__  # type: ignore[assignment]

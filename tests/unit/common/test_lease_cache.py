@@ -275,3 +275,38 @@ def test_a_closed_renewer_stops_its_thread_and_takes_no_keys() -> None:
     assert not thread.is_alive()
     renewer.request("b")
     assert calls.batches == [["a"]]
+
+
+def test_put_many_keeps_what_put_would_keep_one_by_one() -> None:
+    clock = ManualClock()
+    batched = LeaseCache(3, clock, margin_ms=1000)
+    single = LeaseCache(3, clock, margin_ms=1000)
+    ssd = _result(clock, 10)
+    ssd.replicas[0].tier = 1
+    items = [
+        ("a", _result(clock, 10)),
+        ("short", _result(clock, 0.5)),
+        ("ssd", ssd),
+        ("b", _result(clock, 10, grant_s=3)),
+        ("c", _result(clock, 10)),
+        ("d", _result(clock, 10)),  # a fourth entry: "a", the least recently used, goes
+    ]
+    batched.put_many(items)
+    for key, result in items:
+        single.put(key, result)
+    for cache in (batched, single):
+        assert [k for k, _ in items if cache.get(k) is not None] == ["b", "c", "d"]
+    clock.advance(2.1)  # past the margin before b's grant ends
+    assert batched.get("b") is None
+    assert batched.get("c") is items[4][1]
+
+
+def test_put_many_keeps_nothing_when_entries_were_dropped_since() -> None:
+    clock = ManualClock()
+    cache = LeaseCache(10, clock)
+    drops = cache.drops
+    cache.drop(["x"])
+    cache.put_many([("k", _result(clock, 10))], unless_dropped_since=drops)
+    assert cache.get("k") is None
+    cache.put_many([("k", _result(clock, 10))], unless_dropped_since=cache.drops)
+    assert cache.get("k") is not None
