@@ -8,6 +8,7 @@ The master is given as its gRPC address (``host:port``) or as ``etcd://h1:p1,...
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvpool.client import batching
 from kvpool.common import tls
 from kvpool.common.auth import grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
@@ -188,6 +190,16 @@ class MasterClient:
             self._rpc_endpoint = info.rpc_endpoint
             self.info = info
         return str(info.rpc_endpoint)
+
+    def batch_limits(self, deadline: Deadline) -> tuple[int, int]:
+        """(most keys, most key bytes) one call may carry, from the master's GetClusterInfo (asked once,
+        if no call asked yet); the master's defaults while it cannot be reached."""
+        info = self.info
+        if info is None and not self._breaker.is_open:
+            with contextlib.suppress(KvPoolError, OSError):
+                self._discover(deadline)
+            info = self.info
+        return batching.limits_of(info)
 
     def invalidate(self) -> None:
         """Forget the master's endpoints and connections (leader change, unreachable master)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar, cast
 
+from kvpool.client.batching import split_batches
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
@@ -199,8 +200,13 @@ class PoolClient:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "timeout is NaN")
         return Deadline(None if timeout == math.inf else timeout)
 
+    def batch_limits(self) -> tuple[int, int]:
+        """The master's batch limits (keys, key bytes per call); a larger batch is split (client/batching.py)."""
+        return self._master.batch_limits(Deadline(min(self.config.timeout_s, 2.0)))
+
     # --- lookups -------------------------------------------------------------------------------
 
+    @split_batches()
     def batch_exists(self, keys: Sequence[str], timeout: float | None = None) -> list[int]:
         """1 (present), 0 (missing) or a negative code per key (the master is unreachable)."""
         if not keys:
@@ -219,6 +225,7 @@ class PoolClient:
     def is_exist(self, key: str, timeout: float | None = None) -> int:
         return self.batch_exists([key], timeout)[0]
 
+    @split_batches(prefix=True)
     def prefix_length(self, keys: Sequence[str], timeout: float | None = None) -> int:
         """How many leading keys are in the pool (stops at the first miss); 0 when the master is down."""
         if not keys:
@@ -249,6 +256,7 @@ class PoolClient:
     ) -> list[int]:
         return self.batch_put_from(keys, values, config, timeout)
 
+    @split_batches(per_key_args=1)
     def batch_put_from(
         self,
         keys: Sequence[str],
@@ -355,6 +363,7 @@ class PoolClient:
         """The value, or None if the key is missing (or unreadable: see ``get_into`` for the code)."""
         return self.batch_get([key], timeout)[0]
 
+    @split_batches()
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
         if not keys:
             return []
@@ -367,6 +376,7 @@ class PoolClient:
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
         return self.batch_get_into([key], [buffer], timeout)[0]
 
+    @split_batches(per_key_args=1)
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer], timeout: float | None = None) -> list[int]:
         """Read each object into its buffer (zero-copy): bytes read, or a negative code per key."""
         if len(keys) != len(buffers):
@@ -547,6 +557,7 @@ class PoolClient:
     def remove(self, key: str, force: bool = False, timeout: float | None = None) -> int:
         return self.batch_remove([key], force, timeout)[0]
 
+    @split_batches()
     def batch_remove(self, keys: Sequence[str], force: bool = False, timeout: float | None = None) -> list[int]:
         self._leases.drop(keys)
         try:
