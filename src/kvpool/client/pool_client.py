@@ -13,6 +13,7 @@ The client is thread-safe.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 import uuid
@@ -30,7 +31,7 @@ from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.failpoints import CLIENT_PUT_BEFORE_END, failpoint
 from kvpool.common.grants import GrantOp
-from kvpool.common.log import get_logger
+from kvpool.common.log import get_logger, log_once
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.transfer.base import Replica, TransferRequest, replica_of
@@ -77,6 +78,17 @@ def ptr_view(ptr: int, size: int) -> memoryview:
     if size < 0 or (size and ptr < _FIRST_MAPPABLE_ADDRESS):
         raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad buffer: pointer 0x{ptr:x}, {size} bytes")
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _local_cluster_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The master (and token file) of the running local cluster, if there is one (common/local_context.py)."""
+    from kvpool.common import local_context
+
+    context = local_context.current()
+    if context is None:
+        return {}
+    log_once(log, logging.WARNING, f"local:{context.master}", "KVPOOL_MASTER is not set: %s", context.describe())
+    return {"master": context.master, "token_file": settings["token_file"] or context.token_file}
 
 
 def _keyed(request_type: Callable[..., R], keys: Sequence[str], **fields: Any) -> R:
@@ -183,13 +195,16 @@ class PoolClient:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> PoolClient:
-        """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...)."""
-        cfg = ClientConfig(
-            master=envs.KVPOOL_MASTER.get(),
-            token_file=envs.KVPOOL_TOKEN_FILE.get(),
-            cluster=envs.KVPOOL_CLUSTER.get(),
-            **overrides,
-        )
+        """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...); without
+        KVPOOL_MASTER, the running ``kvpool local up`` cluster (logged once)."""
+        settings: dict[str, Any] = {
+            "master": envs.KVPOOL_MASTER.get(),
+            "token_file": envs.KVPOOL_TOKEN_FILE.get(),
+            "cluster": envs.KVPOOL_CLUSTER.get(),
+        }
+        if not settings["master"] and "master" not in overrides:
+            settings.update(_local_cluster_settings(settings))
+        cfg = ClientConfig(**{**settings, **overrides})
         return cls(config=cfg)
 
     def _deadline(self, timeout: float | None) -> Deadline:
