@@ -111,3 +111,19 @@ def test_a_call_that_meets_a_warming_up_leader_waits_for_it(make_cluster: Callab
         # A warming leader is no outage: the same client's next call is not failed fast by its breaker.
         assert pool.put("during-warm-up", b"v", timeout=30.0) == 0
         assert pool.get("during-warm-up") == b"v"
+
+
+def _readme_python_example() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("```python\nfrom kvpool.client import PoolClient")
+    return readme[start + len("```python\n") : readme.index("```", start + 10)]
+
+
+def test_the_readme_client_example_runs_as_written_against_local_up(tmp_path: Path, env: dict[str, str]) -> None:
+    _up(tmp_path / "cluster", env)
+    run = subprocess.run(
+        [sys.executable, "-c", _readme_python_example()], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert "b'...KV bytes...' [0, 0, 0, 0, 0, 0, 0, 0] 8 [512, 512, 512, 512, 512, 512, 512, 512]" in run.stdout
+    assert "using the local cluster at" in run.stderr  # the fallback said so, in one line
