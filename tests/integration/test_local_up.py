@@ -127,3 +127,13 @@ def test_the_readme_client_example_runs_as_written_against_local_up(tmp_path: Pa
     assert run.returncode == 0, run.stderr
     assert "b'...KV bytes...' [0, 0, 0, 0, 0, 0, 0, 0] 8 [512, 512, 512, 512, 512, 512, 512, 512]" in run.stdout
     assert "using the local cluster at" in run.stderr  # the fallback said so, in one line
+
+
+def test_benchmarks_use_the_local_cluster_with_master_local(tmp_path: Path, env: dict[str, str]) -> None:
+    _up(tmp_path / "cluster", env)
+    bench = _run(
+        "kvpool.tools.cli", "bench", "batch", "--master", "local", "--keys", "300", "--runs", "1", "--json", env=env
+    )
+    assert bench.returncode == 0, bench.stderr
+    assert "using the local cluster at" in bench.stderr
+    assert json.loads(bench.stdout)["keys"] == 300

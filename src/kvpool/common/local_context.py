@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,3 +102,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def resolve(master: str | None) -> str | None:
+    """A benchmark's ``--master``: ``local`` names the running local cluster (said in one line on stderr);
+    anything else is returned as given."""
+    if master != LOCAL:
+        return master
+    context = require()
+    print(f"kvpool: {context.describe()}", file=sys.stderr)
+    return context.master

@@ -42,6 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.tools.bench_metadata:memory",
         "master RSS per object at N objects, lookup speed",
     ),
+    "batch": ("kvpool.tools.bench_batch", "one call of 100,000 keys of 4 KiB, put and get, vs chunks by hand"),
     "soak": (
         "kvpool.tools.bench_soak",
         "client processes, mixed checked workload, a store restart: errors, RSS",
