@@ -52,7 +52,7 @@ def _by_hand(call: Callable[..., list[int]], keys: Sequence[str], bufs: Sequence
 
 
 def _one_run(pool: Any, n: int, value_size: int) -> dict[str, float]:
-    values = [os.urandom(16) + bytes(value_size - 16) for _ in range(n)]
+    values = [os.urandom(min(16, value_size)) + bytes(max(0, value_size - 16)) for _ in range(n)]
     times = _pass(pool, values, value_size, by_hand=False)
     times.update(_pass(pool, values, value_size, by_hand=True))
     return times

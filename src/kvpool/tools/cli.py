@@ -19,7 +19,7 @@ from kvpool.common import config as cfg
 from kvpool.common import envs
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import setup_logging
-from kvpool.tools.argtypes import non_negative_int, size
+from kvpool.tools.argtypes import non_negative_int, positive_float, size
 
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the last run's state (etcd: drains, cluster config) instead of starting fresh; says what it kept",
     )
     local.add_argument(
-        "--ready-timeout", type=float, default=120.0, help="seconds `up` waits for a put and a get to work"
+        "--ready-timeout", type=positive_float, default=120.0, help="seconds `up` waits for a put and a get to work"
     )
     local.set_defaults(func=_cmd_local)
 
