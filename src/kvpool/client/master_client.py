@@ -340,7 +340,7 @@ class MasterClient:
             if not self._in_outage:
                 return
             self._in_outage = False
-        log.warning("master %s reachable again", self._address)
+        log.info("master %s reachable again", self._address)
 
     def _leader_changed(self) -> bool:
         """Whether the address resolver now names another master than the one that failed."""
