@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.common import envs
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 
 
@@ -38,7 +39,7 @@ class ProcInfo:
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"kvpool-local-{os.getuid()}"
+    return Path(envs.XDG_RUNTIME_DIR.get() or tempfile.gettempdir()) / f"kvpool-local-{os.getuid()}"
 
 
 def _cli(*args: str) -> list[str]:
