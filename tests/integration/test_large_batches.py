@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvpool.common import failpoints
 from kvpool.common.errors import ErrorCode
 from kvpool.tools.local_cluster import LocalCluster
 from tests.support.cluster import FAST_MASTER, client
@@ -55,16 +56,28 @@ def test_a_batch_over_max_batch_is_split_in_order_with_small_batch_codes(
         assert pool.batch_exists(good) == [0] * len(good)
 
 
-def test_a_split_batch_shares_one_deadline(make_cluster: Callable[..., LocalCluster]) -> None:
-    """Chunks do not each get the whole timeout: a split call ends near its deadline."""
+def test_a_split_batch_shares_one_deadline(
+    make_cluster: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks do not each get the whole timeout: with every chunk's put held 0.1 s (a failpoint before
+    PutEnd), 200 chunks would take 5 s at four at a time; under one 0.5 s deadline the chunks that start
+    after it fail at once, and the call ends soon after its deadline."""
     cluster = make_cluster(stores=1, store_size="32MiB", master_args=(*FAST_MASTER, "--max-batch", "10"))
     keys = [f"d-{i}" for i in range(2_000)]
-    with client(cluster.master) as pool:
-        started = time.monotonic()
-        codes = pool.batch_exists(keys, timeout=0.2)
-        elapsed = time.monotonic() - started
-    assert elapsed < 5.0, f"a 0.2 s call of 200 chunks took {elapsed:.1f} s"
-    assert set(codes) <= {0, int(ErrorCode.TIMEOUT), int(ErrorCode.UNAVAILABLE)}
+    monkeypatch.setenv("KVPOOL_FAILPOINTS", "client.put.before_end=sleep:0.1")
+    failpoints.reload()
+    try:
+        with client(cluster.master) as pool:
+            assert pool.batch_exists(keys[:1]) == [0]  # connected: the deadline is spent on the puts
+            started = time.monotonic()
+            codes = pool.batch_put_from(keys, [b"v"] * len(keys), timeout=0.5)
+            elapsed = time.monotonic() - started
+    finally:
+        monkeypatch.delenv("KVPOOL_FAILPOINTS")
+        failpoints.reload()
+    assert elapsed < 3.0, f"a 0.5 s call of 200 chunks took {elapsed:.1f} s"
+    assert codes[:10] == [0] * 10  # the first chunks ran within the deadline
+    assert set(codes[-100:]) <= {int(ErrorCode.TIMEOUT), int(ErrorCode.UNAVAILABLE)}
 
 
 def test_mismatched_lengths_are_refused_before_any_split(make_cluster: Callable[..., LocalCluster]) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode
 
 T = TypeVar("T")
 
@@ -75,13 +76,16 @@ def _fits(keys: Sequence[str], max_keys: int, max_key_bytes_total: int) -> bool:
     return len(plan_chunks(keys, max_keys, max_key_bytes_total)) == 1
 
 
-def split_batches(per_key_args: int = 0, prefix: bool = False) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def split_batches(
+    per_key_args: int = 0, prefix: bool = False, timed_out: object = int(ErrorCode.TIMEOUT)
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorate a PoolClient batch method ``(self, keys, *per_key_lists, ..., timeout=None)``.
 
     ``per_key_args``: how many arguments after ``keys`` hold one item per key (buffers); they are sliced
     with the keys. The chunks' per-key answers are joined in key order. ``prefix``: the method answers how
     many leading keys are present (an int); chunks then run in order and stop at the first one not fully
-    present, and the answer is the sum.
+    present, and the answer is the sum. ``timed_out``: the answer for each key of a chunk that would start
+    after the call's deadline (it is not sent: a call's calls would otherwise each run to completion).
     """
 
     def decorate(method: Callable[..., T]) -> Callable[..., T]:
@@ -104,6 +108,8 @@ def split_batches(per_key_args: int = 0, prefix: bool = False) -> Callable[[Call
 
             def run(chunk: tuple[int, int]) -> Any:
                 lo, hi = chunk
+                if deadline.expired():
+                    return 0 if prefix else [timed_out] * (hi - lo)
                 call = {name: value for name, value in arguments.items() if name != "self"}
                 call[names[0]] = keys[lo:hi]
                 for name in per_key:

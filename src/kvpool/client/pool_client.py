@@ -378,7 +378,7 @@ class PoolClient:
         """The value, or None if the key is missing (or unreadable: see ``get_into`` for the code)."""
         return self.batch_get([key], timeout)[0]
 
-    @split_batches()
+    @split_batches(timed_out=None)
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
         if not keys:
             return []
