@@ -11,6 +11,8 @@ command -v etcd >/dev/null || need+=(etcd-server etcd-client)
 [ -d /usr/lib/python3/dist-packages/pyverbs ] || need+=(python3-pyverbs rdma-core)
 command -v ip >/dev/null || need+=(iproute2)
 command -v iptables >/dev/null || need+=(iptables)
+# tests/integration/test_security.py makes a self-signed certificate with the openssl CLI.
+command -v openssl >/dev/null || need+=(openssl)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive

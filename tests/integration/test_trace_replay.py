@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.tools import bench_trace_pool, cli
+from kvpool.tools.trace import DEFAULT_TRACE
 
 pytestmark = pytest.mark.integration
 
-TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+TRACE = DEFAULT_TRACE  # shipped in the repository: benchmarks/traces/
 PREFIX = 1000
-
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} not available")
 
 
 def bench(capsys: pytest.CaptureFixture[str], *extra: str, limit: int | None = PREFIX) -> dict[str, Any]:
@@ -41,7 +39,6 @@ def test_kvpool_bench_trace_runs_the_real_pool() -> None:
     assert cli.BENCHES["trace"][0] == "kvpool.tools.bench_trace_pool"
 
 
-@needs_trace
 def test_unlimited_capacity_pool_equals_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
     r = bench(capsys)
     assert r["pool_hit"] == pytest.approx(r["oracle_hit"], abs=0.002)
@@ -49,7 +46,6 @@ def test_unlimited_capacity_pool_equals_the_oracle(capsys: pytest.CaptureFixture
     assert r["pool_evictions"] == 0
 
 
-@needs_trace
 def test_3m_tokens_random_routing_pool_is_within_a_point_of_the_oracle(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -59,7 +55,6 @@ def test_3m_tokens_random_routing_pool_is_within_a_point_of_the_oracle(
     assert r["private_hit"] < r["pool_hit"]
 
 
-@needs_trace
 def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -72,7 +67,6 @@ def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
 
 
 @pytest.mark.slow
-@needs_trace
 @pytest.mark.parametrize(
     "extra",
     [(), ("--capacity", "3M"), ("--capacity", "2249000", "--ssd")],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from kvpool.tools.bench_trace import (
     replay_pool,
 )
 from kvpool.tools.trace import (
+    DEFAULT_TRACE,
     BlockLRU,
     HitStats,
     PrefixRouter,
@@ -43,28 +43,11 @@ from kvpool.tools.trace import (
 M = 1_000_000
 
 
-def _find_synthetic_trace() -> Path | None:
-    # The trace lives in the team's shared folder, outside the repository; KVPOOL_TRACES_DIR overrides.
-    here = Path(__file__).resolve()
-    candidates = [
-        Path(os.environ.get("KVPOOL_TRACES_DIR", "/nonexistent")),
-        here.parents[2] / "shared" / "traces",
-        Path("/work/shared/traces"),
-    ]
-    for folder in candidates:
-        path = folder / "synthetic_trace.jsonl"
-        if path.is_file():
-            return path
-    return None
-
-
-SYNTHETIC = _find_synthetic_trace()
-needs_trace = pytest.mark.skipif(SYNTHETIC is None, reason="synthetic_trace.jsonl not found")
+SYNTHETIC = DEFAULT_TRACE  # shipped in the repository: benchmarks/traces/ (README there: origin, licence)
 
 
 @pytest.fixture(scope="module")
 def synthetic() -> list[Request]:
-    assert SYNTHETIC is not None
     return load_trace(SYNTHETIC)
 
 
@@ -203,7 +186,6 @@ def _pct(rate: float) -> float:
     return 100 * rate
 
 
-@needs_trace
 @pytest.mark.parametrize(
     ("capacity", "block_pct", "token_pct"),
     [(None, 64.0, 65.1), (10 * M, 56.6, 57.7), (3 * M, 30.9, 31.5)],
@@ -215,7 +197,6 @@ def test_global_lru_golden(synthetic: list[Request], capacity: int | None, block
     assert _pct(stats.token_hit_rate) == pytest.approx(token_pct, abs=0.05)
 
 
-@needs_trace
 @pytest.mark.parametrize(
     ("routing", "capacity", "block_pct"),
     [
@@ -232,7 +213,6 @@ def test_private_lru_golden(synthetic: list[Request], routing: str, capacity: in
     assert _pct(stats.block_hit_rate) == pytest.approx(block_pct, abs=0.05)
 
 
-@needs_trace
 def test_prefix_routing_unlimited_equals_global_exactly(synthetic: list[Request]) -> None:
     # Every request that can reuse a prefix meets its predecessors on one instance.
     assert simulate_private(synthetic, 8, None, "prefix") == simulate_global(synthetic, None)
@@ -241,7 +221,6 @@ def test_prefix_routing_unlimited_equals_global_exactly(synthetic: list[Request]
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-@needs_trace
 @pytest.mark.parametrize("capacity", [None, 3 * M])
 def test_driver_with_in_memory_pool_equals_oracle(synthetic: list[Request], capacity: int | None) -> None:
     pool = InMemoryLRUPool(capacity_blocks(capacity))
@@ -321,7 +300,6 @@ EXPECTED_KEYS = {
 }
 
 
-@needs_trace
 def test_run_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     args = _parse(["--trace", str(SYNTHETIC), "--limit-requests", "300", "--json", "--capacity", "3M"])
     assert bench_trace.run(args) == 0
@@ -339,7 +317,6 @@ def test_run_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert "100% (300/300)" in err
 
 
-@needs_trace
 def test_run_uses_the_pool_factory_and_unlimited_is_null(capsys: pytest.CaptureFixture[str]) -> None:
     seen: list[argparse.Namespace] = []
 
@@ -372,3 +349,10 @@ def test_run_human_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "oracle (one global LRU)" in out
     assert "37.5%" in out  # 3 of 8 blocks: the shared first block of requests 2..4
+
+
+def test_bench_trace_defaults_to_the_trace_shipped_in_the_repository() -> None:
+    args = _parse([])
+    assert Path(args.trace) == DEFAULT_TRACE
+    assert DEFAULT_TRACE.is_file()
+    assert (DEFAULT_TRACE.parent / "README.md").read_text().count("Apache License") == 1

@@ -8,6 +8,7 @@ The master is given as its gRPC address (``host:port``) or as ``etcd://h1:p1,...
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvpool.client import batching
 from kvpool.common import tls
 from kvpool.common.auth import grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
@@ -156,6 +158,8 @@ class MasterClient:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
         self._resolve = resolver or _make_resolver(master, cluster)
+        self._address = master or "(resolver)"
+        self._in_outage = False
         self._token = load_token(token_file)
         self._tls_ca = tls_ca
         self._spin_s = spin_us / 1e6
@@ -188,6 +192,16 @@ class MasterClient:
             self._rpc_endpoint = info.rpc_endpoint
             self.info = info
         return str(info.rpc_endpoint)
+
+    def batch_limits(self, deadline: Deadline) -> tuple[int, int]:
+        """(most keys, most key bytes) one call may carry, from the master's GetClusterInfo (asked once,
+        if no call asked yet); the master's defaults while it cannot be reached."""
+        info = self.info
+        if info is None and not self._breaker.is_open:
+            with contextlib.suppress(KvPoolError, OSError):
+                self._discover(deadline)
+            info = self.info
+        return batching.limits_of(info)
 
     def invalidate(self) -> None:
         """Forget the master's endpoints and connections (leader change, unreachable master)."""
@@ -242,12 +256,15 @@ class MasterClient:
         """One hot call over the framed protocol; raises KvPoolError (UNAVAILABLE when down)."""
         if not self._breaker.allow():
             if not self._leader_changed():
-                raise KvPoolError(ErrorCode.UNAVAILABLE, "master unreachable (circuit open)")
+                raise KvPoolError(ErrorCode.UNAVAILABLE, f"master {self._address} unreachable (circuit open)")
             self._breaker.success()  # a new leader is published: try it now, not after the backoff
         _name, _req_type, resp_type = frames.RPC_METHODS[op]
         body = request.SerializeToString()
         started = time.monotonic()
-        for attempt in range(2):
+        attempt = -1
+        warming = _WarmupWait()
+        while attempt < 1:
+            attempt += 1
             conn: _Conn | None = None
             try:
                 conn = self._checkout(deadline)
@@ -261,6 +278,11 @@ class MasterClient:
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
                 if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
                     raise
+                if code == ErrorCode.LEADER_WARMING_UP:
+                    if warming.wait(deadline):
+                        attempt -= 1
+                        continue
+                    raise
                 timed_out = isinstance(exc, _TIMEOUT_ERRORS) or deadline.expired()
                 if timed_out and time.monotonic() - started < _MIN_BREAKER_WAIT_S:
                     raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
@@ -268,13 +290,22 @@ class MasterClient:
                 if attempt == 0 and not deadline.expired():
                     continue  # a stale pooled connection (master restarted): one fresh try
                 self._breaker.failure()
+                self._note_outage(exc)
                 if isinstance(exc, _TIMEOUT_ERRORS) or deadline.expired():
                     raise KvPoolError(ErrorCode.TIMEOUT, f"master call {op.name} timed out") from exc
-                raise KvPoolError(ErrorCode.UNAVAILABLE, f"master call {op.name}: {exc}") from exc
+                raise KvPoolError(
+                    ErrorCode.UNAVAILABLE, f"master call {op.name}: {self._address} unreachable: {exc}"
+                ) from exc
             status = response.status
             status_code = as_code(status.code) if status.code else ErrorCode.OK  # the enum call costs ~1 us
             if not self._accept_view(status.view):
                 status_code = ErrorCode.STALE_VIEW
+            if status_code == ErrorCode.LEADER_WARMING_UP:
+                if warming.wait(deadline):
+                    attempt -= 1  # the leader serves soon: wait for it within the deadline, not a retry
+                    continue
+                # The master answers: the deadline was too short for its warm-up, no reason to fail fast.
+                raise KvPoolError(status_code, response.status.message or "the leader is warming up")
             if status_code in _REDIRECT_CODES:
                 self.invalidate()
                 if attempt == 0 and not deadline.expired():
@@ -282,10 +313,34 @@ class MasterClient:
                 self._breaker.failure()
                 raise KvPoolError(status_code, response.status.message or "no serving master")
             self._breaker.success()
+            if self._in_outage:
+                self._note_recovery()
             if status_code != ErrorCode.OK:
                 raise KvPoolError(status_code, response.status.message)
             return response
         raise KvPoolError(ErrorCode.UNAVAILABLE, "no serving master")  # unreachable; keeps mypy sure
+
+    def _note_outage(self, exc: BaseException) -> None:
+        """Log an unreachable master once per outage (not once per call: a busy engine makes thousands)."""
+        with self._lock:
+            if self._in_outage:
+                return
+            self._in_outage = True
+        tried = self._grpc_endpoint if self._grpc_endpoint and self._grpc_endpoint != self._address else ""
+        log.warning(
+            "master %s%s unreachable (%s): calls return UNAVAILABLE (lookups: misses) until it answers; "
+            "check --master / KVPOOL_MASTER and that the cluster is up",
+            self._address,
+            f" (at {tried})" if tried else "",
+            exc,
+        )
+
+    def _note_recovery(self) -> None:
+        with self._lock:
+            if not self._in_outage:
+                return
+            self._in_outage = False
+        log.info("master %s reachable again", self._address)
 
     def _leader_changed(self) -> bool:
         """Whether the address resolver now names another master than the one that failed."""
@@ -324,6 +379,26 @@ class MasterClient:
 
     def close(self) -> None:
         self.invalidate()
+
+
+class _WarmupWait:
+    """Waits between tries while a new leader warms up: short at first, then longer, never past the
+    call's deadline."""
+
+    FIRST_S = 0.02
+    LONGEST_S = 0.5
+
+    def __init__(self) -> None:
+        self._next = self.FIRST_S
+
+    def wait(self, deadline: Deadline) -> bool:
+        """Sleep before the next try; False (no sleep) when the deadline leaves no room for one."""
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= self._next:
+            return False
+        time.sleep(self._next)
+        self._next = min(self.LONGEST_S, self._next * 2)
+        return True
 
 
 def _timeout(deadline: Deadline, cap: float) -> float:

@@ -13,6 +13,7 @@ The client is thread-safe.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar, cast
 
+from kvpool.client.batching import split_batches
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
@@ -30,7 +32,7 @@ from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.failpoints import CLIENT_PUT_BEFORE_END, failpoint
 from kvpool.common.grants import GrantOp
-from kvpool.common.log import get_logger
+from kvpool.common.log import get_logger, log_once
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.transfer.base import Replica, TransferRequest, replica_of
@@ -84,6 +86,17 @@ def ptr_view(ptr: int, size: int) -> memoryview:
     if size < 0 or (size and ptr < _FIRST_MAPPABLE_ADDRESS):
         raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"bad buffer: pointer 0x{ptr:x}, {size} bytes")
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _local_cluster_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The master (and token file) of the running local cluster, if there is one (common/local_context.py)."""
+    from kvpool.common import local_context
+
+    context = local_context.current()
+    if context is None:
+        return {}
+    log_once(log, logging.WARNING, f"local:{context.master}", "KVPOOL_MASTER is not set: %s", context.describe())
+    return {"master": context.master, "token_file": settings["token_file"] or context.token_file}
 
 
 def _keyed(request_type: Callable[..., R], keys: Sequence[str], **fields: Any) -> R:
@@ -193,13 +206,16 @@ class PoolClient:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> PoolClient:
-        """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...)."""
-        cfg = ClientConfig(
-            master=envs.KVPOOL_MASTER.get(),
-            token_file=envs.KVPOOL_TOKEN_FILE.get(),
-            cluster=envs.KVPOOL_CLUSTER.get(),
-            **overrides,
-        )
+        """A client configured from KVPOOL_* variables (KVPOOL_MASTER, KVPOOL_TOKEN_FILE, ...); without
+        KVPOOL_MASTER, the running ``kvpool local up`` cluster (logged once)."""
+        settings: dict[str, Any] = {
+            "master": envs.KVPOOL_MASTER.get(),
+            "token_file": envs.KVPOOL_TOKEN_FILE.get(),
+            "cluster": envs.KVPOOL_CLUSTER.get(),
+        }
+        if not settings["master"] and "master" not in overrides:
+            settings.update(_local_cluster_settings(settings))
+        cfg = ClientConfig(**{**settings, **overrides})
         return cls(config=cfg)
 
     def _deadline(self, timeout: float | None) -> Deadline:
@@ -210,8 +226,13 @@ class PoolClient:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "timeout is NaN")
         return Deadline(None if timeout == math.inf else timeout)
 
+    def batch_limits(self) -> tuple[int, int]:
+        """The master's batch limits (keys, key bytes per call); a larger batch is split (client/batching.py)."""
+        return self._master.batch_limits(Deadline(min(self.config.timeout_s, 2.0)))
+
     # --- lookups -------------------------------------------------------------------------------
 
+    @split_batches()
     def batch_exists(self, keys: Sequence[str], timeout: float | None = None) -> list[int]:
         """1 (present), 0 (missing) or a negative code per key (the master is unreachable)."""
         if not keys:
@@ -230,6 +251,7 @@ class PoolClient:
     def is_exist(self, key: str, timeout: float | None = None) -> int:
         return self.batch_exists([key], timeout)[0]
 
+    @split_batches(prefix=True)
     def prefix_length(self, keys: Sequence[str], timeout: float | None = None) -> int:
         """How many leading keys are in the pool (stops at the first miss); 0 when the master is down."""
         if not keys:
@@ -260,6 +282,7 @@ class PoolClient:
     ) -> list[int]:
         return self.batch_put_from(keys, values, config, timeout)
 
+    @split_batches(per_key_args=1)
     def batch_put_from(
         self,
         keys: Sequence[str],
@@ -366,6 +389,7 @@ class PoolClient:
         """The value, or None if the key is missing (or unreadable: see ``get_into`` for the code)."""
         return self.batch_get([key], timeout)[0]
 
+    @split_batches(timed_out=None)
     def batch_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes | None]:
         """Each value as new ``bytes`` the caller owns (None where missing or unreadable). The objects land
         in this thread's reusable read buffer and are copied once from there into their ``bytes``: no
@@ -405,6 +429,7 @@ class PoolClient:
     def get_into(self, key: str, buffer: Buffer, timeout: float | None = None) -> int:
         return self.batch_get_into([key], [buffer], timeout)[0]
 
+    @split_batches(per_key_args=1)
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer], timeout: float | None = None) -> list[int]:
         """Read each object into its buffer (zero-copy): bytes read, or a negative code per key."""
         if len(keys) != len(buffers):
@@ -620,6 +645,7 @@ class PoolClient:
     def remove(self, key: str, force: bool = False, timeout: float | None = None) -> int:
         return self.batch_remove([key], force, timeout)[0]
 
+    @split_batches()
     def batch_remove(self, keys: Sequence[str], force: bool = False, timeout: float | None = None) -> list[int]:
         self._leases.drop(keys)
         try:

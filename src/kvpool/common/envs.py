@@ -59,6 +59,15 @@ KVPOOL_TEST_RDMA_DEVICE = EnvVar(
 KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
 KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
 
+# The running local cluster (`kvpool local up`), found by tools when no master is given (common/local_context.py).
+KVPOOL_LOCAL_CONTEXT = EnvVar(
+    "KVPOOL_LOCAL_CONTEXT",
+    "",
+    "File where `kvpool local up` records the running local cluster, which clients and tools use when no "
+    "master is given (default: kvpool-local-<uid>.json in XDG_RUNTIME_DIR or the temp dir).",
+)
+XDG_RUNTIME_DIR = EnvVar("XDG_RUNTIME_DIR", "", "Per-user runtime directory: where local-cluster state lives.")
+
 ALL: list[EnvVar[Any]] = [
     KVPOOL_MASTER,
     KVPOOL_CLUSTER,
@@ -71,6 +80,8 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_TEST_RDMA_DEVICE,
     KVPOOL_NODE,
     KVPOOL_DISABLE_SHM,
+    KVPOOL_LOCAL_CONTEXT,
+    XDG_RUNTIME_DIR,
 ]
 
 

@@ -101,6 +101,67 @@ class ErrorCode(IntEnum):
     JOB_NOT_FOUND = -700
     DRAIN_FAILED = -701
 
+    @property
+    def message(self) -> str:
+        """What the code means, in words (for logs, CLIs and ``str()``)."""
+        return _MESSAGES.get(self, "")
+
+    def __str__(self) -> str:
+        # An IntEnum prints as a bare number otherwise ("-4"): say which code it is and what it means.
+        return f"{self.name} ({int(self)}): {self.message}" if self.message else f"{self.name} ({int(self)})"
+
+    def __format__(self, spec: str) -> str:
+        # Numeric formats (f"{code:d}", f"{code:5}") stay numbers; a plain f"{code}" reads like str().
+        return str(self) if not spec else format(int(self), spec)
+
+
+_MESSAGES: dict[ErrorCode, str] = {
+    ErrorCode.OK: "success",
+    ErrorCode.INTERNAL: "internal error (a bug or an unexpected state)",
+    ErrorCode.INVALID_ARGUMENT: "invalid argument",
+    ErrorCode.TIMEOUT: "the call's deadline passed before it completed",
+    ErrorCode.UNAVAILABLE: "the master or store cannot be reached (is the cluster up? check --master / KVPOOL_MASTER)",
+    ErrorCode.CANCELLED: "the call was cancelled",
+    ErrorCode.NOT_SUPPORTED: "not supported by this peer or build",
+    ErrorCode.SHUTTING_DOWN: "the peer is shutting down",
+    ErrorCode.OBJECT_NOT_FOUND: "no object under this key",
+    ErrorCode.OBJECT_ALREADY_EXISTS: "an object under this key already exists (values are immutable)",
+    ErrorCode.OBJECT_NOT_READY: "the object is still being written",
+    ErrorCode.OBJECT_HAS_LEASE: "a read lease protects the object (remove with force, or retry after the lease)",
+    ErrorCode.LEASE_EXPIRED: "the read completed after its lease ended; its bytes were discarded",
+    ErrorCode.OBJECT_PINNED: "the object is pinned",
+    ErrorCode.KEY_TOO_LONG: "the key is longer than the master's max_key_bytes",
+    ErrorCode.INVALID_KEY: "the key is empty or not valid UTF-8",
+    ErrorCode.VALUE_TOO_LARGE: "the value is larger than the master's max_object_bytes",
+    ErrorCode.BUFFER_TOO_SMALL: "the destination buffer is smaller than the object",
+    ErrorCode.ILLEGAL_CLIENT: "only the client that started a put may end or revoke it",
+    ErrorCode.NO_PUT_IN_PROGRESS: "no put of this key is in progress",
+    ErrorCode.NO_SPACE: "no writable segment can hold the object (no stores, all full, or all draining)",
+    ErrorCode.SEGMENT_NOT_FOUND: "no such segment",
+    ErrorCode.SEGMENT_ALREADY_EXISTS: "the segment is already mounted",
+    ErrorCode.SEGMENT_NOT_WRITABLE: "the segment is draining or drained: readable, but takes no new objects",
+    ErrorCode.NEED_REMOUNT: "the master does not know this store: it must mount again",
+    ErrorCode.STORE_NOT_FOUND: "no such store",
+    ErrorCode.TRANSFER_FAILED: "the data transfer failed",
+    ErrorCode.CHECKSUM_MISMATCH: "the bytes read do not match the object's checksum (discarded)",
+    ErrorCode.OUT_OF_BOUNDS: "the request names a range outside the segment or its grant",
+    ErrorCode.BAD_FRAME: "a malformed frame (the connection was closed)",
+    ErrorCode.AUTH_FAILED: "the token or grant does not verify (check --token-file / KVPOOL_TOKEN_FILE)",
+    ErrorCode.GRANT_EXPIRED: "the data-plane grant has expired",
+    ErrorCode.CONNECTION_FAILED: "the connection to a store failed",
+    ErrorCode.UNKNOWN_OP: "the peer does not know this operation (a version mismatch?)",
+    ErrorCode.RPC_FAILED: "the RPC failed",
+    ErrorCode.NOT_LEADER: "this master is a standby; the leader serves",
+    ErrorCode.STALE_VIEW: "the answer came from a deposed leader (refused)",
+    ErrorCode.ETCD_ERROR: "etcd failed or cannot be reached",
+    ErrorCode.LEADER_WARMING_UP: "the new leader is still rebuilding its state from the stores",
+    ErrorCode.BATCH_TOO_LARGE: "more keys in one call than the master's max_batch",
+    ErrorCode.TOO_MANY_CONNECTIONS: "this client has too many connections to the store",
+    ErrorCode.TOO_MANY_BYTES_IN_FLIGHT: "this client has too many bytes in flight at the store",
+    ErrorCode.JOB_NOT_FOUND: "no such job",
+    ErrorCode.DRAIN_FAILED: "the drain failed",
+}
+
 
 def strerror(code: int) -> str:
     """A human name for any code, including unknown ones (they come from newer peers)."""
@@ -133,4 +194,4 @@ class KvPoolError(Exception):
     def __init__(self, code: ErrorCode, message: str = "") -> None:
         self.code = code
         self.message = message
-        super().__init__(f"{code.name}: {message}" if message else code.name)
+        super().__init__(f"{code.name}: {message}" if message else f"{code.name}: {code.message}")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,48 @@ def _resolver(master: str, cluster: str) -> Any:
     return lambda wait_s=0.0: master
 
 
+class _MountBackoff:
+    """A store whose master cannot be reached says which address and why, suggests --master, and tries
+    again after 1, 2, 4 ... 30 s instead of at every heartbeat."""
+
+    FIRST_S = 1.0
+    LONGEST_S = 30.0
+
+    def __init__(self) -> None:
+        self._wait = 0.0
+        self._next_at = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next_at
+
+    def reset(self) -> None:
+        self._wait = 0.0
+        self._next_at = 0.0
+
+    def failed(self, master: str, exc: KvPoolError) -> None:
+        self._wait = min(self.LONGEST_S, self._wait * 2 or self.FIRST_S)
+        self._next_at = time.monotonic() + self._wait
+        log.warning(
+            "mount failed: master %s %s (%s); check --master (or KVPOOL_MASTER); trying again in %.0f s",
+            master,
+            _why_unreachable(master),
+            exc,
+            self._wait,
+        )
+
+
+def _why_unreachable(master: str) -> str:
+    """Whether the master's host name resolves, in words (the usual typo is the address itself)."""
+    if master.startswith("etcd://"):
+        return "(no serving leader found through etcd)"
+    host, _, port = master.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port) if port.isdigit() else None)
+    except (OSError, ValueError):
+        return f"cannot be resolved (unknown host {host!r})"
+    return "does not answer (refused or unreachable)"
+
+
 class StoreServer:
     """A running store. ``start()`` creates the segment and serves; ``run()`` also heartbeats until stopped."""
 
@@ -131,6 +175,7 @@ class StoreServer:
         self._link = MasterLink(config.master, config.cluster, config.token_file, config.tls_ca)
         self._freed_ack = 0
         self._mounted = False
+        self._mount_backoff = _MountBackoff()
         self._mover_transport: TcpTransport | None = None
         self._stop = threading.Event()
         self._metrics: MetricsServer | None = None
@@ -230,8 +275,9 @@ class StoreServer:
         try:
             response = self._link.call("RemountSegment" if remount else "MountSegment", request, timeout=30.0)
         except KvPoolError as exc:
-            log.warning("mount failed: %s", exc)
+            self._mount_backoff.failed(self.config.master, exc)
             return False
+        self._mount_backoff.reset()
         code = as_code(response.status.code)
         if code != ErrorCode.OK:
             log.warning("mount refused: %s %s", code.name, response.status.message)
@@ -253,7 +299,8 @@ class StoreServer:
         """One heartbeat: apply the master's free notifications; re-mount when it does not know us."""
         assert self.segment is not None
         if not self._mounted:
-            self.mount(remount=len(self.inventory) > 0)
+            if self._mount_backoff.due():
+                self.mount(remount=len(self.inventory) > 0)
             return
         segment_ids = [self.segment.id] + ([self.tier.segment_id] if self.tier is not None else [])
         request = pb.HeartbeatRequest(store_id=self.store_id, segment_ids=segment_ids, freed_ack=self._freed_ack)
@@ -276,7 +323,7 @@ class StoreServer:
 
     def run(self) -> None:
         """Heartbeat until ``stop()``; then unmount and release the segment."""
-        if not self._mounted:
+        if not self._mounted and self._mount_backoff.due():
             self.mount(remount=False)
         if self.tier is not None and self.segment is not None:
             # Its own link: SSD task polls never queue behind a heartbeat (or the reverse).
@@ -389,7 +436,7 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
     # Ready means mounted: a client that sees this store as ready can allocate on it. If the master is
     # not reachable yet, the heartbeat loop keeps trying after the first attempts.
     for _ in range(20):
-        if store.mount(remount=False) or store._stop.wait(0.25):
+        if (store._mount_backoff.due() and store.mount(remount=False)) or store._stop.wait(0.25):
             break
     if ready_file:
         info = {

@@ -42,7 +42,9 @@ def _client(args: argparse.Namespace) -> Any:
 
     master = args.master or envs.KVPOOL_MASTER.get()
     if not master:
-        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no cluster: pass --master or set KVPOOL_MASTER")
+        raise KvPoolError(
+            ErrorCode.INVALID_ARGUMENT, "no cluster: pass --master, set KVPOOL_MASTER or start one with kvpool local up"
+        )
     return MasterClient(master, token_file=args.token_file, cluster=args.cluster)
 
 
@@ -225,8 +227,26 @@ _UNREACHABLE = frozenset(
 Every other failure is the operation's (exit 1)."""
 
 
+def _default_to_local_cluster(args: argparse.Namespace) -> None:
+    """No --master and no KVPOOL_MASTER: the running `kvpool local up` cluster, said in one line."""
+    if args.master or envs.KVPOOL_MASTER.get():
+        return
+    from kvpool.common import local_context
+
+    context = local_context.current()
+    if context is None:
+        return
+    args.master = context.master
+    if not args.token_file and not envs.KVPOOL_TOKEN_FILE.get():
+        args.token_file = context.token_file
+    if context.cluster and args.cluster == "kvpool":
+        args.cluster = context.cluster
+    print(f"kvpool-admin: {context.describe()}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _default_to_local_cluster(args)
     try:
         return int(args.func(args))
     except KvPoolError as exc:

@@ -221,6 +221,9 @@ def measure(master: str, args: argparse.Namespace) -> Result:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool.common import local_context
+
+    args.master = local_context.resolve(args.master)
     if args.master:
         result = measure(args.master, args)
     else:

@@ -34,6 +34,7 @@ from typing import Any, Protocol, TextIO
 from kvpool.tools.argtypes import positive_int
 from kvpool.tools.trace import (
     BLOCK_TOKENS,
+    DEFAULT_TRACE,
     ROUTING_POLICIES,
     HitStats,
     Request,
@@ -344,7 +345,11 @@ def _show(value: Any) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvpool bench trace``; ``--master`` belongs to the top-level CLI (read as args.master)."""
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="Mooncake-format JSONL trace (default: the synthetic Mooncake trace in benchmarks/traces/)",
+    )
     parser.add_argument("--instances", type=positive_int, default=8, help="simulated prefill instances (8)")
     parser.add_argument("--routing", choices=ROUTING_POLICIES, default="random", help="request routing (random)")
     parser.add_argument(

@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master",
         default=None,
         help="replay against this running cluster (host:port or etcd://...) instead of "
-        "starting a local one sized for --capacity",
+        "starting a local one sized for --capacity (`local`: the cluster `kvpool local up` started)",
     )
     parser.add_argument(
         "--in-memory",
@@ -240,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     if args.in_memory:
         args.master = None
         return bench_trace.run(args)
+    from kvpool.common import local_context
+
+    args.master = local_context.resolve(args.master)
     factory = TracePoolFactory(None)
     trace: list[Request] = []
     if not args.master:

@@ -35,7 +35,7 @@ class Row:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", default="", help="measure this running cluster instead of starting one")
+    parser.add_argument("--master", default="", help="measure this cluster (`local`: the `kvpool local up` one)")
     parser.add_argument(
         "--sizes", type=sizes_bytes, default="64KiB,1MiB,4MiB", help="value sizes (default 64KiB,1MiB,4MiB)"
     )
@@ -140,11 +140,12 @@ def measure(master: str, sizes: list[int], seconds: float, runs: int, connection
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpool.common import local_context
     from kvpool.tools.local_cluster import LocalCluster
 
     sizes: list[int] = args.sizes
     cluster = None
-    master = args.master
+    master = local_context.resolve(args.master)
     if not master:
         cluster = LocalCluster(stores=1, store_size=args.store_size).start()
         master = cluster.master

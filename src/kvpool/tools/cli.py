@@ -19,7 +19,7 @@ from kvpool.common import config as cfg
 from kvpool.common import envs
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import setup_logging
-from kvpool.tools.argtypes import non_negative_int, size
+from kvpool.tools.argtypes import non_negative_int, positive_float, size
 
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
@@ -42,6 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.tools.bench_metadata:memory",
         "master RSS per object at N objects, lookup speed",
     ),
+    "batch": ("kvpool.tools.bench_batch", "one call of 100,000 keys of 4 KiB, put and get, vs chunks by hand"),
     "soak": (
         "kvpool.tools.bench_soak",
         "client processes, mixed checked workload, a store restart: errors, RSS",
@@ -70,29 +71,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
     base = Path(args.dir) if args.dir else lc.default_dir()
     if args.action == "up":
-        if (base / "cluster.json").exists() and any(p["alive"] for p in lc.load_status(base)["processes"]):
-            print(f"a local cluster is already running in {base} (kvpool local down first)", file=sys.stderr)
-            return 1
-        cluster = lc.LocalCluster(
-            stores=args.stores,
-            store_size=args.size,
-            base_dir=base,
-            ha=args.ha,
-            master_args=tuple(args.master_arg),
-            store_args=tuple(args.store_arg),
-            token_file=args.token_file,
-        ).start()
-        doc = cluster.status()
-        if args.json:
-            print(json.dumps(doc))
-        else:
-            print(f"kvpool local cluster up in {base}")
-            for p in doc["processes"]:
-                print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']}  {p['node']}")
-            print(f"\nconnect with:  export KVPOOL_MASTER={doc['master']}")
-            if args.token_file:
-                print(f"               export KVPOOL_TOKEN_FILE={Path(args.token_file).resolve()}")
-        return 0
+        return _local_up(args, base)
     if args.action == "status":
         doc = lc.load_status(base)
         if args.json:
@@ -104,7 +83,63 @@ def _cmd_local(args: argparse.Namespace) -> int:
                 print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']:<22} {p['node']:<16} {state}")
         return 0
     pids = lc.down(base)
+    from kvpool.common import local_context
+
+    local_context.clear(str(base))
     print(json.dumps({"stopped": pids}) if args.json else f"stopped {len(pids)} processes")
+    return 0
+
+
+def _local_up(args: argparse.Namespace, base: Path) -> int:
+    """Start a fresh local cluster (or one keeping its state), return once it serves, and make it the
+    tools' default cluster (common/local_context.py)."""
+    from kvpool.common import local_context
+    from kvpool.tools import local_cluster as lc
+
+    if (base / "cluster.json").exists() and any(p["alive"] for p in lc.load_status(base)["processes"]):
+        print(f"a local cluster is already running in {base} (kvpool local down first)", file=sys.stderr)
+        return 1
+    if not args.keep_state:
+        lc.reset_state(base)
+    if args.stores == 0:
+        print("kvpool local: WARNING: --stores 0: no store, so nothing can be stored until one joins", file=sys.stderr)
+    cluster = lc.LocalCluster(
+        stores=args.stores,
+        store_size=args.size,
+        base_dir=base,
+        ha=args.ha,
+        master_args=tuple(args.master_arg),
+        store_args=tuple(args.store_arg),
+        token_file=args.token_file,
+    ).start()
+    try:
+        kept = lc.kept_state(cluster) if args.keep_state else {}
+        lc.wait_serving(cluster.master, cluster.token_file, can_store=args.stores > 0, timeout=args.ready_timeout)
+    except BaseException:
+        cluster.stop()
+        raise
+    local_context.write(
+        local_context.LocalContext(
+            master=cluster.master,
+            directory=str(base),
+            token_file=cluster.token_file,
+            cluster=cluster.cluster,
+            master_pids=[p.pid for p in cluster.masters],
+        )
+    )
+    doc = {**cluster.status(), "kept": kept}
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"kvpool local cluster up in {base}")
+    for p in doc["processes"]:
+        print(f"  {p['role']:<7} pid {p['pid']:<8} {p['address']}  {p['node']}")
+    if args.keep_state:
+        what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kept.items())
+        print(f"kept the state of the last run ({what or 'nothing was stored'})")
+    print(f"\nkvpool-admin and PoolClient.from_env() use this cluster; or:  export KVPOOL_MASTER={doc['master']}")
+    if args.token_file:
+        print(f"               export KVPOOL_TOKEN_FILE={Path(args.token_file).resolve()}")
     return 0
 
 
@@ -163,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-file",
         default="",
         help="require this cluster token on every plane (masters and stores get it; clients read KVPOOL_TOKEN_FILE)",
+    )
+    local.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="keep the last run's state (etcd: drains, cluster config) instead of starting fresh; says what it kept",
+    )
+    local.add_argument(
+        "--ready-timeout", type=positive_float, default=120.0, help="seconds `up` waits for a put and a get to work"
     )
     local.set_defaults(func=_cmd_local)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common import envs
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 
 
 @dataclass
@@ -37,7 +39,7 @@ class ProcInfo:
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"kvpool-local-{os.getuid()}"
+    return Path(envs.XDG_RUNTIME_DIR.get() or tempfile.gettempdir()) / f"kvpool-local-{os.getuid()}"
 
 
 def _cli(*args: str) -> list[str]:
@@ -352,3 +354,77 @@ def _remove_segment_file(info: ProcInfo) -> None:
     path = info.endpoints.get("shm", "") if info.role == "store" else ""
     if path and not _alive(info.pid):
         Path(path).unlink(missing_ok=True)
+
+
+# --- `kvpool local up`: a fresh cluster, what a kept one kept, and readiness ----------------------
+
+_STATE_DIRS = ("etcd",)
+"""What a run leaves in the cluster directory that the next run would inherit: etcd's data (drains,
+cluster config and every other durable intent)."""
+
+_KIND_NAMES = {"drain": "drained nodes", "config": "cluster config"}
+
+
+def reset_state(base_dir: Path) -> list[str]:
+    """Remove what an earlier `local up` in ``base_dir`` left behind (a fresh cluster); the names removed."""
+    removed = []
+    for name in _STATE_DIRS:
+        path = base_dir / name
+        if path.exists():
+            shutil.rmtree(path)
+            removed.append(name)
+    for stale in [*base_dir.glob("*.ready"), *base_dir.glob("*.log")]:
+        stale.unlink(missing_ok=True)
+    return removed
+
+
+def kept_state(cluster: LocalCluster) -> dict[str, list[str]]:
+    """What a kept cluster inherited from etcd, by kind: {"drained nodes": [...], "cluster config": [...]}."""
+    if not cluster.etcd_endpoints:
+        return {}
+    from kvpool.common.etcd import EtcdClient, cluster_prefix
+
+    root = cluster_prefix(cluster.cluster) + "intents/"
+    etcd = EtcdClient(cluster.etcd_endpoints, timeout=5.0)
+    try:
+        kept: dict[str, list[str]] = {}
+        for kv in etcd.get_prefix(root):
+            kind, _, name = kv.key[len(root) :].partition("/")
+            kept.setdefault(_KIND_NAMES.get(kind, kind), []).append(name)
+        return kept
+    finally:
+        etcd.close()
+
+
+PROBE_KEY = "kvpool-local-up-probe"
+
+
+def wait_serving(master: str, token_file: str, can_store: bool, timeout: float = 60.0) -> None:
+    """Return once the cluster serves: a put and a get of a probe object work (only a lookup when it has
+    no stores). A new HA leader warms up for a lease TTL before it serves."""
+    from kvpool.client import ClientConfig, PoolClient
+
+    config = ClientConfig(master=master, token_file=token_file, timeout_s=2.0, use_shm=False, lease_cache_entries=0)
+    deadline = time.monotonic() + timeout
+    last = ""
+    with PoolClient(config=config) as pool:
+        while time.monotonic() < deadline:
+            last = _probe(pool, can_store)
+            if not last:
+                return
+            time.sleep(0.1)
+    raise KvPoolError(ErrorCode.TIMEOUT, f"the local cluster does not serve after {timeout:.0f} s: {last}")
+
+
+def _probe(pool: Any, can_store: bool) -> str:
+    """ "" when the cluster served a put and a get (or a lookup); else what failed."""
+    if not can_store:
+        found = pool.batch_exists([PROBE_KEY])[0]
+        return "" if found >= 0 else f"lookup: {as_code(found)}"
+    code = pool.put(PROBE_KEY, b"probe")
+    if code != 0:
+        return f"put: {as_code(code)}"
+    if pool.get(PROBE_KEY) != b"probe":
+        return "get: the probe object did not read back"
+    pool.remove(PROBE_KEY, force=True)
+    return ""

@@ -8,7 +8,7 @@ A trace is JSONL, one request per line, in arrival order::
 prefix-chained hash remapped to dense ints), so two requests can reuse k blocks exactly when their first k
 ids are equal.
 
-Replay semantics (the ones behind the golden figures in ``/work/shared/traces/README.md``):
+Replay semantics (the ones behind the reference figures in ``benchmarks/traces/README.md``):
 
 * a request hits its leading blocks up to the first miss (a prefix hit: KV after a gap is useless);
 * then every block of the request is inserted or touched, in order, in an LRU keyed by block;
@@ -45,6 +45,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = [
     "BLOCK_TOKENS",
+    "DEFAULT_TRACE",
     "ROUTING_POLICIES",
     "BlockLRU",
     "HitStats",
@@ -69,6 +70,10 @@ BLOCK_TOKENS = 512
 """Tokens per trace block: the granularity of ``hash_ids`` in the Mooncake traces."""
 
 ROUTING_POLICIES = ("random", "round_robin", "prefix")
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
+"""The synthetic Mooncake trace shipped in the repository (benchmarks/traces/README.md: origin, licence):
+``kvpool bench trace``'s default. Found from a checkout (an editable install), not from a wheel."""
 
 K = TypeVar("K", bound=Hashable)
 
