@@ -78,6 +78,8 @@ class Role:
     elector: LeadershipProbe | None = None
     leader: str = ""  # the leader's gRPC endpoint when this one is not it
     followers: list[str] = field(default_factory=list)
+    members: list[tuple[str, str]] = field(default_factory=list)
+    """Every live master as (gRPC address, "leader" | "warming_up" | "standby"), from etcd (HA only)."""
 
     @property
     def view(self) -> int:
@@ -202,6 +204,7 @@ class MasterHandlers:
             role=self.role.name,
             leader=self.role.leader or self.endpoints.get("grpc", ""),
             followers=self.role.followers,
+            masters=[pb.MasterMember(grpc=address, state=state) for address, state in self.role.members],
             extra=tier_service.stats_extra(self.state),
         )
 

@@ -143,13 +143,23 @@ def cmd_leader(args: argparse.Namespace) -> int:
         doc = leader_summary(master.removeprefix("etcd://"), args.cluster)
     else:
         s = _stats(args)
-        doc = {"leader": s.leader, "view": s.status.view, "followers": list(s.followers)}
-    _emit(
-        args,
-        doc,
-        lambda d: f"leader {d['leader']} (view {d['view']})\nfollowers {', '.join(d['followers']) or '-'}",
-    )
+        doc = {
+            "leader": s.leader,
+            "view": s.status.view,
+            "followers": list(s.followers),
+            "masters": [{"grpc": m.grpc, "state": m.state} for m in s.masters],
+        }
+    _emit(args, doc, _leader_text)
     return 0
+
+
+def _leader_text(doc: dict[str, Any]) -> str:
+    """The leader, then every live master with its state (leader, warming_up, standby) on a line each."""
+    lines = [f"leader {doc['leader']} (view {doc['view']})", f"followers {', '.join(doc['followers']) or '-'}"]
+    if doc.get("masters"):
+        lines.append("masters")
+        lines.extend(f"  {m['grpc']:<24} {m['state']}" for m in doc["masters"])
+    return "\n".join(lines)
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
