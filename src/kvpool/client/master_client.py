@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvpool.common import tls
-from kvpool.common.auth import grpc_error_code, grpc_metadata, load_token
+from kvpool.common.auth import client_handshake, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.log import get_logger
@@ -218,8 +218,22 @@ class MasterClient:
         sock.settimeout(None)
         conn = _Conn(sock, self._spin_s)
         if self._token:
-            self._roundtrip(conn, frames.Op.HELLO, self._token, deadline)
+            self._prove_token(conn, endpoint, deadline)
         return conn
+
+    def _prove_token(self, conn: _Conn, endpoint: str, deadline: Deadline) -> None:
+        """The token's challenge-response on a new framed connection (the token itself is never sent)."""
+
+        def exchange(body: bytes) -> tuple[int, bytes]:
+            conn.arm(_timeout(deadline, 30.0))
+            req_id = next(self._req_ids)
+            return conn.roundtrip(frames.pack_header(frames.Op.HELLO, req_id, len(body)) + body, req_id)
+
+        try:
+            client_handshake(self._token, exchange, f"master {endpoint}")
+        except KvPoolError:
+            conn.close()
+            raise
 
     def _checkin(self, conn: _Conn) -> None:
         with self._lock:
@@ -259,7 +273,7 @@ class MasterClient:
                 if conn is not None:
                     conn.close()
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
-                if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
+                if code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_VERSION_MISMATCH, ErrorCode.INVALID_ARGUMENT):
                     raise
                 timed_out = isinstance(exc, _TIMEOUT_ERRORS) or deadline.expired()
                 if timed_out and time.monotonic() - started < _MIN_BREAKER_WAIT_S:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
+from kvpool.client.store_failures import StoreFailureReporter
 from kvpool.common import envs
 from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
@@ -178,6 +179,7 @@ class PoolClient:
             on_renewal_due=self._renewer.request if self._renewer else None,
             keep_hints=cfg.revalidate_reads and self._renewer is not None,
         )
+        self._store_failures = StoreFailureReporter(self._report_store_failures)
         self._closed = False
 
     @classmethod
@@ -302,6 +304,7 @@ class PoolClient:
         """Write every replica; a key's code is its first failure (all replicas must land)."""
         outcome: dict[int, ErrorCode] = {}
         results = self._transports.transfer([t for _, t in transfers], deadline)
+        self._store_failures.note([t for _, t in transfers], results)
         for (i, _), code in zip(transfers, results, strict=True):
             if outcome.get(i, ErrorCode.OK) == ErrorCode.OK:
                 outcome[i] = code
@@ -434,6 +437,11 @@ class PoolClient:
                     leases.put(key, result, unless_dropped_since=drops)
         return cast(list[_Resolved], found), cached, hinted  # every position is filled now
 
+    def _report_store_failures(self, endpoints: list[str]) -> None:
+        """The failure reporter's call (client/store_failures.py): stores this client could not connect to."""
+        request = pb.ReportStoreFailuresRequest(client_id=self.client_id, tcp_endpoints=endpoints)
+        self._master.call(frames.Op.REPORT_STORE_FAILURES, request, Deadline(1.0))
+
     def _renew_leases(self, keys: list[str]) -> None:
         """The lease renewer's call: fresh leases (and descriptors) for cached objects still being read.
         An object gone meanwhile leaves the cache; while the master cannot be reached, the entries stay
@@ -511,7 +519,9 @@ class PoolClient:
                 )
                 for i, rep in batch.items()
             ]
-            for (i, _), code in zip(batch.items(), self._transports.transfer(requests, deadline), strict=True):
+            transferred = self._transports.transfer(requests, deadline)
+            self._store_failures.note(requests, transferred)
+            for (i, _), code in zip(batch.items(), transferred, strict=True):
                 code = self._verify(code, results[i], i in hinted)
                 codes[i] = results[i].size if code == ErrorCode.OK else int(code)
                 if code == ErrorCode.OK or not pending[i] or deadline.expired():
@@ -598,6 +608,7 @@ class PoolClient:
         self._closed = True
         if self._renewer is not None:
             self._renewer.close()
+        self._store_failures.close()
         self._transports.close()
         self._master.close()
 
