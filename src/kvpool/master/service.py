@@ -376,6 +376,10 @@ class _StateCollector(Collector):
             "kvpool_master_reclaimed_puts_total": ("Abandoned puts reclaimed", s.reclaimed_puts),
             "kvpool_master_is_leader": ("1 when this master serves", 1 if self._role.serving else 0),
             "kvpool_master_view": ("Leader view (etcd revision)", self._role.view),
+            "kvpool_master_suspected_stores": (
+                "Stores suspected dead on client reports (decision 0026)",
+                len(self.state.suspected_stores()),
+            ),
         }
         for name, (doc, value) in simple.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -249,10 +249,10 @@ class MasterState:
             store.last_seen = now
             if segment is None:
                 segment = self._table.add(info, bytes(spec.secret), store)
-            if self._suspicion.is_suspected(spec.store_id) and self._suspicion.heartbeat(spec.store_id, now):
-                self._mark_suspected(store, False)
                 if segment.tier:
                     self.tiers.attach(segment)
+            if self._suspicion.is_suspected(spec.store_id) and self._suspicion.heartbeat(spec.store_id, now):
+                self._mark_suspected(store, False)
             adopted, rejected = self._adopt(segment, inventory, now)
             # Allocatable only now: a put racing the adoption must not take a range the inventory claims.
             self._table.publish()

@@ -144,3 +144,14 @@ def test_an_object_with_a_replica_on_a_healthy_store_stays_readable() -> None:
     [result] = c.get("both")
     assert result.code == OK
     assert [r.segment_id for r in result.replicas] == [2]
+
+
+def test_a_remount_after_the_suspicion_lifts_it() -> None:
+    c = _cluster()
+    c.state.report_store_failures("c1", [DEAD])
+    assert c.state.store_probe_result(DEAD, reachable=False)
+    c.advance(0.5)
+    assert c.mount(1, MiB, remount=True).code == OK
+    assert c.state.suspected_stores() == []
+    assert c.readable("a0") == [True]
+    c.check()
