@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,3 +118,58 @@ def test_a_killed_store_is_out_of_service_within_a_second(make_cluster: Callable
             loop.join(30.0)
         client.close()
         admin.close()
+
+
+def _metric(endpoint: str, name: str) -> float:
+    body = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _report(master: MasterClient, client_id: str, endpoint: str) -> list[str]:
+    request = pb.ReportStoreFailuresRequest(client_id=client_id, tcp_endpoints=[endpoint])
+    return list(master.call(frames.Op.REPORT_STORE_FAILURES, request, Deadline(5.0)).suspected)
+
+
+def test_false_reports_and_a_heartbeat(make_cluster: Callable[..., LocalCluster]) -> None:
+    """A lone false report is refuted by the master's probe; two clients agreeing suspect even a healthy
+    store, and its next heartbeat lifts that at once."""
+    cluster = make_cluster(stores=2, store_size="32MiB", master_args=("--store-ttl-s", str(STORE_TTL_S)))
+    client = PoolClient(config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=5.0))
+    master = MasterClient(cluster.master)
+    metrics = cluster.masters[0].endpoints["metrics"]
+    try:
+        seeded = [f"seed-{i}" for i in range(40)]
+        assert client.batch_put_from(seeded, [expected_value(k, VALUE) for k in seeded]) == [0] * len(seeded)
+        healthy = cluster.stores[0].endpoints["tcp"]
+        on_healthy = [k for k, home in _homes(master, seeded).items() if home == healthy]
+        assert on_healthy
+        assert _report(master, "liar", healthy) == []
+        wait_for(
+            lambda: _metric(metrics, 'kvpool_master_store_probes_total{result="reachable"}') >= 1,
+            10.0,
+            "the master's probe of the reported store",
+        )
+        assert _metric(metrics, "kvpool_master_suspected_stores") == 0
+        assert client.batch_exists(seeded) == [1] * len(seeded)
+        # Two clients agree: suspected at once (no probe asked), lookups of its objects miss ... (a heartbeat
+        # landing between the reports and the lookup lifts it first: then agree again, a few times at most)
+        for _attempt in range(3):
+            _report(master, "client-a", healthy)
+            assert _report(master, "client-b", healthy) == [healthy]
+            suspected_at = time.monotonic()
+            exists = client.batch_exists(on_healthy)
+            if 0 in exists:
+                break
+        # ... until its next heartbeat (1 s period), which lifts the suspicion.
+        wait_for(lambda: client.batch_exists(on_healthy) == [1] * len(on_healthy), 5.0, "the heartbeat to lift it")
+        lifted_after = time.monotonic() - suspected_at
+        print(f"\nagreed suspicion of a healthy store lifted by its heartbeat after {lifted_after:.2f} s")
+        assert exists == [0] * len(on_healthy), "lookups of a suspected store's objects must miss"
+        for key in on_healthy:
+            assert client.get(key) == expected_value(key, VALUE)
+    finally:
+        client.close()
+        master.close()

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.common import tls
@@ -112,12 +112,15 @@ _MAX_REPORTED_ENDPOINTS = 1024
 """Most endpoints one failure report may name (a client reports the few stores it failed to reach)."""
 
 
-class StoreProber:
+class StoreProber(Collector):
     """The I/O edge of dead-store suspicion: connects to a reported store's data-plane port, off the request
     path (a thread per probe; MasterState rate-limits them per store), and hands the outcome to the state."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.probes = {"reachable": 0, "unreachable": 0}
+        """Probes finished, by outcome (``kvpool_master_store_probes_total{result}``)."""
 
     def probe(self, state: MasterState, tcp_endpoint: str) -> threading.Thread:
         thread = threading.Thread(target=self._run, args=(state, tcp_endpoint), name="store-probe", daemon=True)
@@ -133,6 +136,20 @@ class StoreProber:
             log.info("probe of store data plane %s failed: %s", tcp_endpoint, exc)
             reachable = False
         state.store_probe_result(tcp_endpoint, reachable)
+        with self._lock:
+            self.probes["reachable" if reachable else "unreachable"] += 1
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(
+            "kvpool_master_store_probes",
+            "Probes of a store's data plane after a client reported it unreachable, by outcome",
+            labels=["result"],
+        )
+        with self._lock:
+            counts = dict(self.probes)
+        for result, n in counts.items():
+            family.add_metric([result], n)
+        yield family
 
 
 class MasterHandlers:
@@ -166,6 +183,7 @@ class MasterHandlers:
         self.registry.register(self.drains.collector())
         self._methods.update(DrainRpc(self.drains, self.status).methods())
         self.prober = StoreProber(config.store_probe_timeout_s)
+        self.registry.register(self.prober)
 
     def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
         """The status of an answer. Callers only pass it to a response's constructor (which copies it),

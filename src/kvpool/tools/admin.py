@@ -3,7 +3,7 @@
     kvpool-admin status            cluster summary: leader, stores, capacity, used, hit rate
     kvpool-admin nodes             one line per node (segments, status, capacity, used, objects)
     kvpool-admin stats             the master's counters
-    kvpool-admin leader            the serving master, its view and the followers
+    kvpool-admin leader            the serving master, its view, and every live master with its state
     kvpool-admin evict [--prefix P] [--force]   remove objects (all, or one namespace)
     kvpool-admin drain NODE [--wait] [--timeout S]   move NODE's objects away (DRAINING -> DRAINED)
     kvpool-admin undrain NODE      cancel a drain (or a scale-in's tombstone)
@@ -181,7 +181,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "status": (cmd_status, "cluster summary"),
     "nodes": (cmd_nodes, "nodes and their segments"),
     "stats": (cmd_stats, "master counters"),
-    "leader": (cmd_leader, "the serving master and its view"),
+    "leader": (cmd_leader, "the serving master, its view and every live master's state"),
     "evict": (cmd_evict, "remove objects (all, or those whose key starts with --prefix)"),
 }
 
