@@ -149,11 +149,14 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
 def test_no_token_crosses_the_framed_port_or_the_data_plane(
-    proxied: dict[str, RecordingProxy], token_file: Path
+    proxied: dict[str, RecordingProxy], token_file: Path, use_shm: bool
 ) -> None:
+    """Over TCP lanes, and with the shm transport (same node: the bytes go through the mapped segment, the
+    RECORD that commits them over a data-plane connection)."""
     master = f"{PROXY_HOST}:{proxied['grpc'].port}"
-    config = ClientConfig(master=master, use_shm=False, timeout_s=5.0, token_file=str(token_file))
+    config = ClientConfig(master=master, use_shm=use_shm, timeout_s=5.0, token_file=str(token_file))
     with PoolClient(config=config) as client:
         values = {f"k{i}": bytes([i]) * (3000 + i) for i in range(20)}
         assert client.batch_put_from(list(values), list(values.values())) == [0] * len(values)
