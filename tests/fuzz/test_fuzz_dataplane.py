@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.common.auth import TokenChecker
+from kvpool.common.auth import HANDSHAKE_TAG, TokenChecker, client_handshake
 from kvpool.common.grants import Grant, GrantOp, make_grant, new_secret
 from kvpool.proto.frames import DESC, HEADER, HEADER_SIZE, MAGIC, MAX_VECTOR_ENTRIES, VECTOR_COUNT, Op, TransferDesc
 from kvpool.store.dataplane import DataPlaneServer
@@ -111,8 +111,8 @@ def granted_part(draw: st.DrawFn, t: Target) -> bytes:
 @st.composite
 def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
     kind = draw(st.sampled_from(["hello", "bad_hello", "ping", "info", "read", "readv", "write", "writev", "record"]))
-    if kind == "hello":
-        return frame(Op.HELLO, t.token)
+    if kind == "hello":  # a challenge, or the token in clear (a pre-0025 client)
+        return frame(Op.HELLO, draw(st.sampled_from([HANDSHAKE_TAG + b"\x01" + bytes(32), t.token])))
     if kind == "bad_hello":
         return frame(Op.HELLO, draw(st.binary(max_size=64)))
     if kind == "ping":
@@ -136,10 +136,11 @@ def valid_frame(draw: st.DrawFn, t: Target) -> bytes:
 
 
 @st.composite
-def conversation(draw: st.DrawFn, t: Target) -> list[bytes]:
-    """What one connection sends: usually a valid HELLO first (so the rest reaches the parser), then
-    1..5 frames, each valid, mutated or random."""
-    frames = [frame(Op.HELLO, t.token)] if draw(st.booleans()) or draw(st.booleans()) else []
+def conversation(draw: st.DrawFn, t: Target) -> tuple[bool, list[bytes]]:
+    """What one connection sends: usually the token's handshake first (so the rest reaches the parser),
+    then 1..5 frames, each valid, mutated or random."""
+    authenticate = draw(st.booleans()) or draw(st.booleans())
+    frames: list[bytes] = []
     for _ in range(draw(st.integers(1, 5))):
         how = draw(st.sampled_from(["valid", "mutated", "mutated", "random"]))
         if how == "random":
@@ -147,12 +148,26 @@ def conversation(draw: st.DrawFn, t: Target) -> list[bytes]:
         else:
             one = draw(valid_frame(t))
             frames.append(one if how == "valid" else draw(mutated(one)))
-    return frames
+    return authenticate, frames
 
 
-def converse(port: int, frames: list[bytes]) -> None:
-    """Send everything, close our side, read until the server closes (its replies are not judged here)."""
+def handshake(sock: socket.socket, token: bytes) -> None:
+    """The token's challenge-response (common/auth.py) on a raw connection."""
+
+    def exchange(payload: bytes) -> tuple[int, bytes]:
+        sock.sendall(frame(Op.HELLO, payload, 7))
+        _magic, _op, _f, status, _rid, length = HEADER.unpack(_recv(sock, HEADER_SIZE))
+        return status, _recv(sock, length) if length else b""
+
+    client_handshake(token, exchange, "store")
+
+
+def converse(port: int, frames: list[bytes], token: bytes = b"") -> None:
+    """Prove ``token`` if given, send everything, close our side, read until the server closes (its replies
+    are not judged here)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        if token:
+            handshake(sock, token)
         try:
             for data in frames:
                 sock.sendall(data)
@@ -166,8 +181,7 @@ def converse(port: int, frames: list[bytes]) -> None:
 def still_serves(t: Target) -> None:
     with socket.create_connection(("127.0.0.1", t.server.port), timeout=10) as sock:
         if t.token:
-            sock.sendall(frame(Op.HELLO, t.token, 7))
-            assert HEADER.unpack(_recv(sock, HEADER_SIZE))[3] == 0
+            handshake(sock, t.token)
         sock.sendall(frame(Op.PING, b"", 8))
         magic, op, _f, status, req_id, length = HEADER.unpack(_recv(sock, HEADER_SIZE))
         assert (magic, op, status, req_id, length) == (MAGIC, Op.PING, 0, 8, 0)
@@ -192,7 +206,8 @@ def check_invariants(t: Target) -> None:
 @examples(200)
 @given(data=st.data())
 def test_fuzz_frames(target: Target, data: st.DataObject) -> None:
-    converse(target.server.port, data.draw(conversation(target)))
+    authenticate, frames = data.draw(conversation(target))
+    converse(target.server.port, frames, target.token if authenticate else b"")
     check_invariants(target)
 
 
@@ -214,6 +229,6 @@ def test_refusals_are_counted_when_a_token_is_required(target: Target) -> None:
         pytest.skip("the open server requires no token")
     before = target.server.auth.refused_by_plane.get("data", 0)
     converse(target.server.port, [frame(Op.PING)])  # no HELLO
-    converse(target.server.port, [frame(Op.HELLO, b"wrong")])
+    converse(target.server.port, [frame(Op.HELLO, b"wrong")])  # not even the handshake's version
     wait_until(lambda: target.server.auth.refused_by_plane.get("data", 0) == before + 2, 5.0, "2 refusals")
     check_invariants(target)

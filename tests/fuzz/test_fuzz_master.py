@@ -16,7 +16,7 @@ import asyncio
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.common.auth import grpc_metadata
+from kvpool.common.auth import client_handshake, grpc_metadata
 from kvpool.common.errors import ErrorCode
 from kvpool.master.config import MasterConfig
 from kvpool.master.service import MasterServer
@@ -246,8 +246,7 @@ def framed(
     with socket.create_connection(m.rpc, timeout=10) as sock:
         try:
             if hello:
-                sock.sendall(frames.pack_header(frames.Op.HELLO, 1, len(TOKEN)) + TOKEN)
-                assert frames.recv_header(sock).status == 0
+                client_handshake(TOKEN, _hello(sock), "master")
             sock.sendall(frames.pack_header(op, 2, len(payload) if length is None else length) + payload)
             if length is not None and length != len(payload):
                 sock.shutdown(socket.SHUT_WR)  # a truncated frame: the master must just drop us
@@ -257,6 +256,15 @@ def framed(
             if isinstance(exc, AssertionError):
                 raise
             return None
+
+
+def _hello(sock: socket.socket) -> Callable[[bytes], tuple[int, bytes]]:
+    def exchange(payload: bytes) -> tuple[int, bytes]:
+        sock.sendall(frames.pack_header(frames.Op.HELLO, 1, len(payload)) + payload)
+        head = frames.recv_header(sock)
+        return head.status, bytes(frames.recv_exact(sock, head.length))
+
+    return exchange
 
 
 def grpc_raw(m: InProcessMaster, method: str, payload: bytes, token: bytes = TOKEN) -> bytes:

@@ -208,7 +208,7 @@ def test_admin_commands_json_and_exit_codes(make_cluster: Callable[..., LocalClu
         assert stats["objects"] == 50
         assert stats["puts"] == 50
         leader = admin_json(cluster, "leader")
-        assert set(leader) == {"leader", "view", "followers"}
+        assert set(leader) == {"leader", "view", "followers", "masters"}
         assert leader["leader"] == cluster.masters[0].address
         human = admin(cluster, "nodes")
         assert human.returncode == 0

@@ -379,8 +379,11 @@ def test_a_dead_store_fails_reads_fast_and_the_negative_cache_stops_repeats(tmp_
             assert handle.wait(timeout=5) == 0
             assert handle.end_reason is EndReason.FAILED
             assert time.monotonic() - start < 2.5
-            # The stale hit is not promised again: the lookup stops before the failed page.
+            # The stale hit is not promised again: the lookup stops before the failed page (the negative
+            # cache), or the master already suspects the dead store on the client's report and answers a
+            # miss itself (decision 0026), whichever comes first.
             assert engine.prefix_length(keys) == 0
-            assert engine.metrics()["negative_cache_hits"] >= 1
+            master_says = pool.prefix_length(engine.object_keys(keys))
+            assert engine.metrics()["negative_cache_hits"] >= 1 or master_says == 0
     finally:
         cluster.stop()

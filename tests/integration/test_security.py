@@ -1,7 +1,8 @@
 """The cluster token on every plane, TLS on the control plane, private segment files; real processes.
 
-Planes: gRPC control plane (metadata), the framed hot path (HELLO first), the store's data plane (HELLO
-first on every connection). No token or a wrong token gives a clear AUTH_FAILED on each, is counted on
+Planes: gRPC control plane (metadata), the framed hot path and the store's data plane (the token's
+challenge-response in HELLOs first on every connection; tests/integration/test_handshake.py shows that
+the token never travels). No token or a wrong token gives a clear AUTH_FAILED on each, is counted on
 /metrics, and the right token works.
 """
 
@@ -22,6 +23,7 @@ import pytest
 
 from kvpool.client import ClientConfig, PoolClient
 from kvpool.client.master_client import MasterClient
+from kvpool.common.auth import client_handshake
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -66,6 +68,17 @@ def _roundtrip(sock: socket.socket, op: int, payload: bytes = b"", req_id: int =
     head = frames.recv_header(sock)
     frames.recv_exact(sock, head.length)
     return head
+
+
+def _hello(sock: socket.socket) -> Callable[[bytes], tuple[int, bytes]]:
+    """One HELLO of the challenge-response on a raw socket (what client_handshake moves)."""
+
+    def exchange(payload: bytes) -> tuple[int, bytes]:
+        sock.sendall(frames.pack_header(frames.Op.HELLO, 1, len(payload)) + payload)
+        head = frames.recv_header(sock)
+        return head.status, bytes(frames.recv_exact(sock, head.length))
+
+    return exchange
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -127,11 +140,11 @@ def test_the_framed_hot_path_requires_hello(secured: LocalCluster, token_file: P
     with socket.create_connection(rpc, timeout=5) as sock:  # no HELLO
         assert _roundtrip(sock, frames.Op.BATCH_EXISTS, request).status == ErrorCode.AUTH_FAILED
         assert _closed(sock)
-    with socket.create_connection(rpc, timeout=5) as sock:  # a wrong token
-        assert _roundtrip(sock, frames.Op.HELLO, b"nope").status == ErrorCode.AUTH_FAILED
+    with socket.create_connection(rpc, timeout=5) as sock:  # the token in clear (before decision 0025)
+        assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == ErrorCode.AUTH_VERSION_MISMATCH
         assert _closed(sock)
     with socket.create_connection(rpc, timeout=5) as sock:  # the right one
-        assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == 0
+        client_handshake(TOKEN, _hello(sock), "master")
         assert _roundtrip(sock, frames.Op.BATCH_EXISTS, request, 2).status == 0
     assert _metric(metrics, "kvpool_master_auth_refused_total", 'plane="rpc"') == before + 2
 
@@ -144,11 +157,11 @@ def test_the_data_plane_requires_hello(secured: LocalCluster, token_file: Path) 
         head = _roundtrip(sock, frames.Op.PING)
         assert (head.op, head.status) == (frames.Op.HELLO, ErrorCode.AUTH_FAILED)
         assert _closed(sock)
-    with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # a wrong token
-        assert _roundtrip(sock, frames.Op.HELLO, b"nope").status == ErrorCode.AUTH_FAILED
+    with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # the token in clear
+        assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == ErrorCode.AUTH_VERSION_MISMATCH
         assert _closed(sock)
     with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # the right one
-        assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == 0
+        client_handshake(TOKEN, _hello(sock), "store")
         assert _roundtrip(sock, frames.Op.PING, b"", 2).status == 0
     # A client holding master grants but no token for the data plane: AUTH_FAILED per key, not a hang.
     tokenless = TransportSet([TcpTransport(connections_per_endpoint=1)])

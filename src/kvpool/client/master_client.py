@@ -20,7 +20,7 @@ import grpc
 
 from kvpool.client import batching
 from kvpool.common import tls
-from kvpool.common.auth import grpc_error_code, grpc_metadata, load_token
+from kvpool.common.auth import client_handshake, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.log import get_logger
@@ -232,8 +232,22 @@ class MasterClient:
         sock.settimeout(None)
         conn = _Conn(sock, self._spin_s)
         if self._token:
-            self._roundtrip(conn, frames.Op.HELLO, self._token, deadline)
+            self._prove_token(conn, endpoint, deadline)
         return conn
+
+    def _prove_token(self, conn: _Conn, endpoint: str, deadline: Deadline) -> None:
+        """The token's challenge-response on a new framed connection (the token itself is never sent)."""
+
+        def exchange(body: bytes) -> tuple[int, bytes]:
+            conn.arm(_timeout(deadline, 30.0))
+            req_id = next(self._req_ids)
+            return conn.roundtrip(frames.pack_header(frames.Op.HELLO, req_id, len(body)) + body, req_id)
+
+        try:
+            client_handshake(self._token, exchange, f"master {endpoint}")
+        except KvPoolError:
+            conn.close()
+            raise
 
     def _checkin(self, conn: _Conn) -> None:
         with self._lock:
@@ -276,7 +290,7 @@ class MasterClient:
                 if conn is not None:
                     conn.close()
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
-                if code in (ErrorCode.AUTH_FAILED, ErrorCode.INVALID_ARGUMENT):
+                if code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_VERSION_MISMATCH, ErrorCode.INVALID_ARGUMENT):
                     raise
                 if code == ErrorCode.LEADER_WARMING_UP:
                     if warming.wait(deadline):

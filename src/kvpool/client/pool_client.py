@@ -26,6 +26,7 @@ from kvpool.client.batching import split_batches
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
+from kvpool.client.store_failures import StoreFailureReporter
 from kvpool.common import envs
 from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
@@ -202,6 +203,7 @@ class PoolClient:
         self._suspects: dict[str, float] = {}  # tcp endpoint -> monotonic time its suspicion ends
         self._suspects_lock = threading.Lock()
         self._scratch = threading.local()  # each thread's landing buffer of batch_get
+        self._store_failures = StoreFailureReporter(self._report_store_failures)
         self._closed = False
 
     @classmethod
@@ -336,6 +338,7 @@ class PoolClient:
         """Write every replica; a key's code is its first failure (all replicas must land)."""
         outcome: dict[int, ErrorCode] = {}
         results = self._transports.transfer([t for _, t in transfers], deadline)
+        self._store_failures.note([t for _, t in transfers], results)
         for (i, _), code in zip(transfers, results, strict=True):
             if outcome.get(i, ErrorCode.OK) == ErrorCode.OK:
                 outcome[i] = code
@@ -499,6 +502,11 @@ class PoolClient:
             leases.put_many(readable, unless_dropped_since=drops)
         return cast(list[_Resolved], found), cached, hinted  # every position is filled now
 
+    def _report_store_failures(self, endpoints: list[str]) -> None:
+        """The failure reporter's call (client/store_failures.py): stores this client could not connect to."""
+        request = pb.ReportStoreFailuresRequest(client_id=self.client_id, tcp_endpoints=endpoints)
+        self._master.call(frames.Op.REPORT_STORE_FAILURES, request, Deadline(1.0))
+
     def _renew_leases(self, keys: list[str]) -> None:
         """The lease renewer's call: fresh leases (and descriptors) for cached objects still being read.
         An object gone meanwhile leaves the cache; while the master cannot be reached, the entries stay
@@ -579,7 +587,9 @@ class PoolClient:
                 )
                 for i, rep in batch.items()
             ]
-            for (i, rep), code in zip(batch.items(), self._transports.transfer(requests, attempt), strict=True):
+            transferred = self._transports.transfer(requests, attempt)
+            self._store_failures.note(requests, transferred)
+            for (i, rep), code in zip(batch.items(), transferred, strict=True):
                 if code == ErrorCode.TIMEOUT and attempt is not deadline:
                     self._suspect(rep)
                 code = self._verify(code, results[i], i in hinted)
@@ -697,6 +707,7 @@ class PoolClient:
         self._closed = True
         if self._renewer is not None:
             self._renewer.close()
+        self._store_failures.close()
         self._transports.close()
         self._master.close()
 

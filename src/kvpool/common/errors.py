@@ -82,6 +82,8 @@ class ErrorCode(IntEnum):
     GRANT_EXPIRED = -405
     CONNECTION_FAILED = -406
     UNKNOWN_OP = -407
+    AUTH_VERSION_MISMATCH = -471
+    """The peer speaks another version of the framed-connection handshake (decision 0025): upgrade it."""
 
     # -500 .. -599: RPC and high availability
     RPC_FAILED = -500

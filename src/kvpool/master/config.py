@@ -39,6 +39,12 @@ class MasterConfig:
     store_ttl_s: float = option(
         10.0, "A store silent for this long is expired and its replicas dropped.", parse=parse_duration
     )
+    store_probe_timeout_s: float = option(
+        0.25,
+        "Connect deadline of the master's probe of a store's data plane after a client reported it"
+        " unreachable (a failed probe makes the store suspected: docs/reliability.md).",
+        parse=parse_duration,
+    )
     placement: str = option(
         "free_ratio_first", "Placement policy.", choices=("free_ratio_first", "random", "local_first")
     )

@@ -10,28 +10,34 @@ The coordinator wires a :class:`~kvpool.master.leader.LeaderElector` into the ma
   failover — Mooncake's default HA starts cold);
 * a **deposed** leader forgets its index at once (a later leadership rebuilds it from the stores).
 
-Each master also registers itself under ``/kvpool/<cluster>/masters/<id>`` (bound to its own lease) so
-the leader can list its followers, and the cluster config is kept as a durable intent in etcd.
+Each master also registers itself under ``/kvpool/<cluster>/masters/<id>`` (bound to its own lease, with
+its state: leader, warming_up or standby) so that tools and the leader list every live master, and the
+cluster config is kept as a durable intent in etcd. A master frozen past that lease (SIGSTOP) loses the
+key; when it runs again it registers afresh under a new lease, so it is listed again as a standby.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import uuid
 from typing import Any
 
 from kvpool.common.errors import KvPoolError
-from kvpool.common.etcd import EtcdClient, LeaseKeeper, cluster_prefix
+from kvpool.common.etcd import EtcdClient, KeyValue, LeaseKeeper, cluster_prefix
 from kvpool.common.leader_watch import LeaderWatch
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
 from kvpool.master.intents import IntentStore
-from kvpool.master.leader import LeaderElector
+from kvpool.master.leader import ElectorState, LeaderElector
 from kvpool.master.service import MasterServer
 
 log = get_logger(__name__)
+
+_MEMBER_STATES = {ElectorState.LEADER: "leader", ElectorState.WARMING_UP: "warming_up"}
+"""What a master's registration says it is; any other elector state lists it as a "standby"."""
 
 
 class HaCoordinator:
@@ -47,6 +53,8 @@ class HaCoordinator:
         self._elector: LeaderElector | None = None
         self._watch: LeaderWatch | None = None
         self._member_lease: LeaseKeeper | None = None
+        self._registered_state = ""
+        self._member_lock = threading.Lock()  # stop() and the refresh thread's re-registration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="ha-refresh", daemon=True)
 
@@ -70,11 +78,37 @@ class HaCoordinator:
         self._thread.start()
 
     def _register(self) -> None:
-        import json
-
+        """Register under a fresh member lease (at start, and again once a frozen process lost it)."""
+        if self._member_lease is not None:
+            self._member_lease.stop(revoke=not self._member_lease.lost)
         self._member_lease = LeaseKeeper(self.etcd, max(self.config.leader_ttl_s, 2.0), name="member")
         lease = self._member_lease.start()
-        self.etcd.put(self._members_prefix + self.id, json.dumps(self.server.endpoints), lease=lease)
+        self._put_member(self._member_state(), lease)
+
+    def _member_state(self) -> str:
+        state = self._elector.state if self._elector is not None else ElectorState.IDLE
+        return _MEMBER_STATES.get(state, "standby")
+
+    def _put_member(self, state: str, lease: int) -> None:
+        doc = {**self.server.endpoints, "id": self.id, "state": state}
+        self.etcd.put(self._members_prefix + self.id, json.dumps(doc), lease=lease)
+        self._registered_state = state
+
+    def _keep_registered(self, members: list[KeyValue]) -> None:
+        """Re-register when the member key is gone (its lease expired while this process was frozen)
+        and rewrite it when this master's state changed."""
+        with self._member_lock:
+            if self._stop.is_set():
+                return
+            lease = self._member_lease
+            mine = any(kv.key == self._members_prefix + self.id for kv in members)
+            if lease is None or lease.lost or not mine:
+                log.info("re-registering this master under a new member lease")
+                self._register()
+                return
+            state = self._member_state()
+            if state != self._registered_state:
+                self._put_member(state, lease.lease_id)
 
     def _on_elected(self, view: int) -> None:
         log.info(
@@ -109,17 +143,21 @@ class HaCoordinator:
             log.warning("cannot record the cluster config in etcd: %s", exc)
 
     def _refresh_loop(self) -> None:
-        """Keep the leader's address (for NOT_LEADER redirects) and the follower list current."""
-        import json
-
+        """Keep the leader's address (for NOT_LEADER redirects), the follower list and this master's own
+        registration current."""
         while not self._stop.wait(0.5):
             with contextlib.suppress(KvPoolError):
                 leader = self._watch.get() if self._watch else None
                 mine = self.server.endpoints.get("grpc", "")
                 self.server.role.leader = (leader.address("grpc") or "") if leader else ""
                 members = self.etcd.get_prefix(self._members_prefix)
-                endpoints = [json.loads(kv.value).get("grpc", "") for kv in members]
+                self._keep_registered(members)
+                docs = [_member_doc(kv) for kv in members]
+                endpoints = [d.get("grpc", "") for d in docs]
                 self.server.role.followers = sorted(e for e in endpoints if e and e != mine)
+                self.server.role.members = sorted(
+                    (d.get("grpc", ""), str(d.get("state", "standby"))) for d in docs if d.get("grpc")
+                )
 
     async def stop(self) -> None:
         """Resign (a clean, instant handover), then release everything."""
@@ -127,25 +165,43 @@ class HaCoordinator:
         loop = asyncio.get_running_loop()
         if self._elector is not None:
             await loop.run_in_executor(None, self._elector.stop)
-        if self._member_lease is not None:
-            await loop.run_in_executor(None, self._member_lease.stop)
+        await loop.run_in_executor(None, self._stop_member_lease)
         if self._watch is not None:
             self._watch.close()
         self.etcd.close()
 
+    def _stop_member_lease(self) -> None:
+        with self._member_lock:
+            if self._member_lease is not None:
+                self._member_lease.stop()
+
+
+def _member_doc(kv: KeyValue) -> dict[str, Any]:
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
 
 def leader_summary(etcd_endpoints: str, cluster: str) -> dict[str, Any]:
-    """For tools: the current leader and the registered masters, read from etcd."""
-    import json
+    """For tools: the current leader, the registered masters with their states, and the followers, from etcd.
 
+    ``masters`` lists every live master as ``{"grpc": address, "state": "leader"|"warming_up"|"standby"}``.
+    """
     with EtcdClient(etcd_endpoints) as etcd:
         from kvpool.common.leader_watch import leader_key, parse_leader
 
         leader = parse_leader(etcd.get(leader_key(cluster)))
-        members = [json.loads(kv.value) for kv in etcd.get_prefix(cluster_prefix(cluster) + "masters/")]
+        members = [_member_doc(kv) for kv in etcd.get_prefix(cluster_prefix(cluster) + "masters/")]
     grpc_leader = leader.address("grpc") if leader else None
+    masters = sorted(
+        ({"grpc": str(m["grpc"]), "state": str(m.get("state", "standby"))} for m in members if m.get("grpc")),
+        key=lambda m: m["grpc"],
+    )
     return {
         "leader": grpc_leader,
         "view": leader.view if leader else 0,
-        "followers": sorted(m.get("grpc", "") for m in members if m.get("grpc") != grpc_leader),
+        "followers": [m["grpc"] for m in masters if m["grpc"] != grpc_leader],
+        "masters": masters,
     }

@@ -131,6 +131,7 @@ class Segment:
         "status",
         "readable",
         "removed",
+        "suspected",
         "tier",
         "_mac_base",
     )
@@ -150,6 +151,8 @@ class Segment:
         self.status = SegmentStatus.OK
         self.readable = True
         self.tier = info.tier
+        self.suspected = False
+        """Its store is suspected dead (master/suspicion.py): neither readable nor allocatable meanwhile."""
         self.removed = False
         """Set (before its replicas are dropped) when the segment leaves the table; checked under shard
         locks by put_start's insert so that no replica on a removed segment is ever published."""
@@ -168,7 +171,7 @@ class Segment:
 
     def set_status(self, status: SegmentStatus) -> None:
         self.status = status
-        self.readable = status in (SegmentStatus.OK, SegmentStatus.DRAINING)
+        self.readable = status in (SegmentStatus.OK, SegmentStatus.DRAINING) and not self.suspected
 
     def note_freed(self, offset: int) -> None:
         """Queue a free notification for the owning store (not for a segment that is already gone).
@@ -223,7 +226,9 @@ class SegmentTable:
     def publish(self) -> None:
         """Recompute the allocatable tuple after a mount, unmount or status change. SSD-tier segments are
         never allocatable for puts (and not part of the DRAM watermark)."""
-        self.allocatable = tuple(s for s in self.by_id.values() if s.status == SegmentStatus.OK and not s.tier)
+        self.allocatable = tuple(
+            s for s in self.by_id.values() if s.status == SegmentStatus.OK and not s.tier and not s.suspected
+        )
 
     def segments(self) -> list[Segment]:
         return list(self.by_id.values())

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.common import tls
@@ -47,7 +47,7 @@ _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 # Methods a newly elected leader accepts during its warm-up: stores re-mount and rebuild the index
 # before the first data call is served.
 _MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
-# Most payload a framed connection may send before its HELLO is accepted (a token fits in it).
+# Most payload a framed connection may send before its HELLOs are accepted (the handshake's fit in it).
 _MAX_PREAUTH_PAYLOAD = 4096
 
 
@@ -78,6 +78,8 @@ class Role:
     elector: LeadershipProbe | None = None
     leader: str = ""  # the leader's gRPC endpoint when this one is not it
     followers: list[str] = field(default_factory=list)
+    members: list[tuple[str, str]] = field(default_factory=list)
+    """Every live master as (gRPC address, "leader" | "warming_up" | "standby"), from etcd (HA only)."""
 
     @property
     def view(self) -> int:
@@ -104,6 +106,50 @@ class Role:
             and self.elector.is_warming_up
             and self.elector.lease_valid_for() > 0
         )
+
+
+_MAX_REPORTED_ENDPOINTS = 1024
+"""Most endpoints one failure report may name (a client reports the few stores it failed to reach)."""
+
+
+class StoreProber(Collector):
+    """The I/O edge of dead-store suspicion: connects to a reported store's data-plane port, off the request
+    path (a thread per probe; MasterState rate-limits them per store), and hands the outcome to the state."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.probes = {"reachable": 0, "unreachable": 0}
+        """Probes finished, by outcome (``kvpool_master_store_probes_total{result}``)."""
+
+    def probe(self, state: MasterState, tcp_endpoint: str) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(state, tcp_endpoint), name="store-probe", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self, state: MasterState, tcp_endpoint: str) -> None:
+        host, _, port = tcp_endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s):
+                reachable = True
+        except (OSError, ValueError) as exc:
+            log.info("probe of store data plane %s failed: %s", tcp_endpoint, exc)
+            reachable = False
+        state.store_probe_result(tcp_endpoint, reachable)
+        with self._lock:
+            self.probes["reachable" if reachable else "unreachable"] += 1
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(
+            "kvpool_master_store_probes",
+            "Probes of a store's data plane after a client reported it unreachable, by outcome",
+            labels=["result"],
+        )
+        with self._lock:
+            counts = dict(self.probes)
+        for result, n in counts.items():
+            family.add_metric([result], n)
+        yield family
 
 
 class MasterHandlers:
@@ -136,6 +182,8 @@ class MasterHandlers:
         self.drains = DrainManager(state, serving=lambda: self.role.serving)
         self.registry.register(self.drains.collector())
         self._methods.update(DrainRpc(self.drains, self.status).methods())
+        self.prober = StoreProber(config.store_probe_timeout_s)
+        self.registry.register(self.prober)
 
     def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
         """The status of an answer. Callers only pass it to a response's constructor (which copies it),
@@ -202,6 +250,7 @@ class MasterHandlers:
             role=self.role.name,
             leader=self.role.leader or self.endpoints.get("grpc", ""),
             followers=self.role.followers,
+            masters=[pb.MasterMember(grpc=address, state=state) for address, state in self.role.members],
             extra=tier_service.stats_extra(self.state),
         )
 
@@ -290,6 +339,18 @@ class MasterHandlers:
     def RemoveAll(self, req: pb.RemoveAllRequest) -> pb.RemoveAllResponse:  # noqa: N802
         return pb.RemoveAllResponse(status=self.status(), removed=self.state.remove_all(req.force, req.prefix))
 
+    def ReportStoreFailures(self, req: pb.ReportStoreFailuresRequest) -> pb.ReportStoreFailuresResponse:  # noqa: N802
+        if len(req.tcp_endpoints) > _MAX_REPORTED_ENDPOINTS:
+            raise KvPoolError(
+                ErrorCode.BATCH_TOO_LARGE, f"{len(req.tcp_endpoints)} endpoints > {_MAX_REPORTED_ENDPOINTS}"
+            )
+        report = self.state.report_store_failures(req.client_id, list(req.tcp_endpoints))
+        for endpoint in report.probe:
+            self.prober.probe(self.state, endpoint)
+        if report.suspected:
+            log.warning("stores at %s suspected dead: reported by clients", ", ".join(report.suspected))
+        return pb.ReportStoreFailuresResponse(status=self.status(), suspected=report.suspected)
+
     def Pin(self, req: pb.PinRequest) -> pb.BatchCodesResponse:  # noqa: N802
         self._check_batch(req.keys)
         codes = self.state.pin(list(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
@@ -333,6 +394,10 @@ class _StateCollector(Collector):
             "kvpool_master_reclaimed_puts_total": ("Abandoned puts reclaimed", s.reclaimed_puts),
             "kvpool_master_is_leader": ("1 when this master serves", 1 if self._role.serving else 0),
             "kvpool_master_view": ("Leader view (etcd revision)", self._role.view),
+            "kvpool_master_suspected_stores": (
+                "Stores suspected dead on client reports (decision 0026)",
+                len(self.state.suspected_stores()),
+            ),
         }
         for name, (doc, value) in simple.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -374,6 +439,7 @@ class _FramedRpcProtocol(asyncio.Protocol):
         self._poller = poller
         self._fd = -1
         self._authed = not auth.required
+        self._handshake = auth.handshake("rpc")  # the token's challenge-response (common/auth.py)
         # Bounded per connection by what the largest legal request can need (limits.py), so a peer that
         # announces a huge frame cannot make the master buffer it.
         self._max_payload = max_request_payload(handlers.config)
@@ -475,9 +541,12 @@ class _FramedRpcProtocol(asyncio.Protocol):
             self._reply(head)
             return True
         if head.op == frames.Op.HELLO:
-            self._authed = self._auth.check(payload, "rpc")
-            self._reply(head, code=ErrorCode.OK if self._authed else ErrorCode.AUTH_FAILED)
-            return self._authed
+            code, body, why = self._handshake.answer(payload)
+            self._authed = self._handshake.done
+            self._reply(head, body, code)
+            if code != ErrorCode.OK:
+                log.warning("refusing RPC connection from %s: %s: %s", self._peer, code.name, why)
+            return code == ErrorCode.OK
         method = frames.RPC_METHODS.get(head.op)
         if method is None:
             self._reply(head, code=ErrorCode.UNKNOWN_OP)

@@ -50,8 +50,9 @@ from kvpool.master.objects import (
 )
 from kvpool.master.placement import PlacementPolicy, make_placement
 from kvpool.master.quarantine import RangeQuarantine
-from kvpool.master.segments import Segment, SegmentInfo, SegmentStatus, SegmentTable
+from kvpool.master.segments import Segment, SegmentInfo, SegmentStatus, SegmentTable, StoreEntry
 from kvpool.master.shards import Shard, ShardMap, StripedLocks, shard_index
+from kvpool.master.suspicion import StoreSuspicion, SuspicionReport, Verdict
 from kvpool.master.tiering import TierManager
 from kvpool.master.types import (
     EvictionReport,
@@ -192,6 +193,8 @@ class MasterState:
         self._sizes: dict[int, int] = {}
         # Ranges of revoked puts, held until their WRITE grants are surely dead (master/quarantine.py).
         self._quarantine = RangeQuarantine()
+        # Dead-store suspicion (master/suspicion.py): its rules; the service probes the stores.
+        self._suspicion = StoreSuspicion()
         # SSD tier (master/tiering.py): inert until a store mounts a tier=1 segment.
         self.tiers = TierManager(
             config, clock, self._shards, self._stripes, self._table, self._free_ranges, self._quarantine.hold
@@ -248,6 +251,8 @@ class MasterState:
                 segment = self._table.add(info, bytes(spec.secret), store)
                 if segment.tier:
                     self.tiers.attach(segment)
+            if self._suspicion.is_suspected(spec.store_id) and self._suspicion.heartbeat(spec.store_id, now):
+                self._mark_suspected(store, False)
             adopted, rejected = self._adopt(segment, inventory, now)
             # Allocatable only now: a put racing the adoption must not take a range the inventory claims.
             self._table.publish()
@@ -302,6 +307,8 @@ class MasterState:
             if segment is None or segment.store_id != store_id:
                 return HeartbeatResult(ErrorCode.NEED_REMOUNT)
         store.last_seen = self._clock.monotonic()
+        if self._suspicion.is_suspected(store_id):
+            self._heard_from(store_id, store.last_seen)
         return HeartbeatResult(ErrorCode.OK, store.take(freed_ack, HEARTBEAT_FREED_LIMIT))
 
     def expire_stores(self) -> list[str]:
@@ -314,11 +321,73 @@ class MasterState:
                 if now - store.last_seen <= ttl:
                     continue
                 self._table.remove_store(store_id)
+                self._suspicion.forget(store_id)
                 segments = [s for s in (self._table.get(i) for i in list(store.segment_ids)) if s is not None]
                 dropped = self._drop_segments(segments)
                 expired.append(store_id)
                 _log.warning("store %s expired: %d segments and %d objects dropped", store_id, len(segments), dropped)
         return expired
+
+    # =================================================================== dead-store suspicion
+
+    def report_store_failures(self, client_id: str, tcp_endpoints: Sequence[str]) -> SuspicionReport:
+        """A client could not connect to these data-plane endpoints (master/suspicion.py has the rules).
+
+        Returns the reported endpoints whose store is suspected now, and those the caller must probe
+        (then ``store_probe_result``). Endpoints no mounted segment has are ignored.
+        """
+        now = self._clock.monotonic()
+        suspected: list[str] = []
+        probe: list[str] = []
+        with self._membership:
+            for endpoint in dict.fromkeys(tcp_endpoints):
+                store = self._store_at(endpoint)
+                if store is None:
+                    continue
+                verdict = self._suspicion.report(store.store_id, client_id, now)
+                if verdict == Verdict.SUSPECTED:
+                    self._mark_suspected(store, True)
+                    suspected.append(endpoint)
+                elif verdict == Verdict.PROBE:
+                    probe.append(endpoint)
+        return SuspicionReport(suspected, probe)
+
+    def store_probe_result(self, tcp_endpoint: str, reachable: bool) -> bool:
+        """The outcome of the service's probe of a data plane; True when it made its store suspected."""
+        now = self._clock.monotonic()
+        with self._membership:
+            store = self._store_at(tcp_endpoint)
+            if store is None or not self._suspicion.probe_result(store.store_id, reachable, now):
+                return False
+            self._mark_suspected(store, True)
+        _log.warning("store %s (%s) suspected dead: the master's probe failed", store.store_id, tcp_endpoint)
+        return True
+
+    def suspected_stores(self) -> list[str]:
+        with self._membership:
+            return sorted(self._suspicion.suspected)
+
+    def _heard_from(self, store_id: str, now: float) -> None:
+        with self._membership:
+            store = self._table.store(store_id)
+            if store is not None and self._suspicion.heartbeat(store_id, now):
+                self._mark_suspected(store, False)
+                _log.info("store %s heartbeats again: no longer suspected", store_id)
+
+    def _store_at(self, tcp_endpoint: str) -> StoreEntry | None:
+        for segment in self._table.by_id.values():
+            if segment.tcp_endpoint == tcp_endpoint:
+                return segment.store
+        return None
+
+    def _mark_suspected(self, store: StoreEntry, suspected: bool) -> None:
+        """Flag (or unflag) every segment of ``store``: a suspected one is neither readable nor allocatable."""
+        for segment_id in store.segment_ids:
+            segment = self._table.get(segment_id)
+            if segment is not None and segment.suspected != suspected:
+                segment.suspected = suspected
+                segment.set_status(segment.status)
+        self._table.publish()
 
     # =================================================================== puts
 
@@ -820,7 +889,9 @@ class MasterState:
                 for sid in store.segment_ids:
                     if sid not in table.by_id:
                         raise AssertionError(f"store {store_id!r} lists segment {sid} that is not mounted")
-            allocatable = {s.id for s in table.by_id.values() if s.status == SegmentStatus.OK and not s.tier}
+            allocatable = {
+                s.id for s in table.by_id.values() if s.status == SegmentStatus.OK and not s.tier and not s.suspected
+            }
             if {s.id for s in table.allocatable} != allocatable:
                 raise AssertionError("allocatable segment list is stale")
         with self._stats_lock:

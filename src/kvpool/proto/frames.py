@@ -99,6 +99,8 @@ class Op(IntEnum):
     REMOVE_ALL = 71
     GET_STATS = 72
     PIN = 73
+    REPORT_STORE_FAILURES = 90
+    """A client could not connect to these stores' data planes (dead-store suspicion, master/suspicion.py)."""
 
 
 # op -> (gRPC method name, request type, response type)
@@ -113,6 +115,7 @@ RPC_METHODS: dict[int, tuple[str, type, type]] = {
     Op.REMOVE_ALL: ("RemoveAll", pb.RemoveAllRequest, pb.RemoveAllResponse),
     Op.GET_STATS: ("GetStats", pb.StatsRequest, pb.StatsResponse),
     Op.PIN: ("Pin", pb.PinRequest, pb.BatchCodesResponse),
+    Op.REPORT_STORE_FAILURES: ("ReportStoreFailures", pb.ReportStoreFailuresRequest, pb.ReportStoreFailuresResponse),
 }
 
 

@@ -332,7 +332,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("status", "segments", "objects", "capacity", "used", "hits", "misses", "evictions", "evicted_bytes", "puts", "reclaimed_puts", "role", "leader", "followers", "extra")
+    __slots__ = ("status", "segments", "objects", "capacity", "used", "hits", "misses", "evictions", "evicted_bytes", "puts", "reclaimed_puts", "role", "leader", "followers", "extra", "masters")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class StatsResponse(_message.Message):
     LEADER_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
     objects: int
@@ -370,7 +371,16 @@ class StatsResponse(_message.Message):
     leader: str
     followers: _containers.RepeatedScalarFieldContainer[str]
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., objects: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., puts: _Optional[int] = ..., reclaimed_puts: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., followers: _Optional[_Iterable[str]] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    masters: _containers.RepeatedCompositeFieldContainer[MasterMember]
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., objects: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., puts: _Optional[int] = ..., reclaimed_puts: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., followers: _Optional[_Iterable[str]] = ..., extra: _Optional[_Mapping[str, float]] = ..., masters: _Optional[_Iterable[_Union[MasterMember, _Mapping]]] = ...) -> None: ...
+
+class MasterMember(_message.Message):
+    __slots__ = ("grpc", "state")
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    grpc: str
+    state: str
+    def __init__(self, grpc: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ClusterInfoRequest(_message.Message):
     __slots__ = ()
@@ -587,3 +597,19 @@ class RebalanceStatusResponse(_message.Message):
     message: str
     planned: int
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., state: _Optional[str] = ..., objects_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., in_flight: _Optional[int] = ..., spread: _Optional[float] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., planned: _Optional[int] = ...) -> None: ...
+
+class ReportStoreFailuresRequest(_message.Message):
+    __slots__ = ("client_id", "tcp_endpoints")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TCP_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    tcp_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., tcp_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReportStoreFailuresResponse(_message.Message):
+    __slots__ = ("status", "suspected")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    suspected: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., suspected: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -144,6 +144,11 @@ class MasterServiceStub:
                 request_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
                 _registered_method=True)
+        self.ReportStoreFailures = channel.unary_unary(
+                '/kvpool.v1.MasterService/ReportStoreFailures',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServiceServicer:
@@ -281,6 +286,12 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStoreFailures(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -393,6 +404,11 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.RebalanceStatus,
                     request_deserializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.SerializeToString,
+            ),
+            'ReportStoreFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStoreFailures,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -989,6 +1005,33 @@ class MasterService:
             '/kvpool.v1.MasterService/RebalanceStatus',
             kvpool_dot_proto_dot_master__pb2.RebalanceStatusRequest.SerializeToString,
             kvpool_dot_proto_dot_master__pb2.RebalanceStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStoreFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/ReportStoreFailures',
+            kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.FromString,
             options,
             channel_credentials,
             insecure,

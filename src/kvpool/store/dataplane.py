@@ -17,8 +17,8 @@ part within grant, grant within seg   OUT_OF_BOUNDS
 the client's bytes in flight fit      TOO_MANY_BYTES_IN_FLIGHT (store/limits.py)
 ====================================  ===================
 
-The first check applies only when the cluster requires a token: then the first frame of a connection
-must be a HELLO carrying it (compared in constant time, refusals counted per plane).
+The first check applies only when the cluster requires a token: then a connection must begin with the
+HELLOs of the token's challenge-response (common/auth.py, decision 0025; refusals counted per plane).
 
 Only then are bytes moved, and only within [offset + part_offset, + part_length): the segment is never
 read or written outside the granted range. A rejected WRITE whose frame is well-formed still has its
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.common.auth import TokenChecker
+from kvpool.common.auth import ServerHandshake, TokenChecker
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, verify
@@ -88,7 +88,7 @@ _SENDFILE_MIN_BYTES = 128 << 10
 system allows it); a smaller one leaves sooner as one sendmsg than as a header and a sendfile."""
 _MAX_READ_PAYLOAD = DESC.size + MAX_KEY_BYTES
 MAX_HELLO_PAYLOAD = 4096
-"""Longest token a HELLO may carry; a longer one is a malformed frame."""
+"""Longest HELLO payload; a longer one is a malformed frame."""
 # struct offsets inside DESC: part_length (7th u64 -> index 6) and key_len (the u16 after it)
 _DESC_PART_LENGTH = 6
 _DESC_KEY_LEN = 7
@@ -151,7 +151,8 @@ class _Conn:
     peer: str
     stats: _ConnStats
     thread: threading.Thread | None = None
-    authed: bool = True  # False until a valid HELLO when the cluster requires a token
+    authed: bool = True  # False until the client proved the token when the cluster requires one
+    handshake: ServerHandshake | None = None
     client: str = ""  # the peer's host: what per-client limits count
     held: list[bytes] = field(default_factory=list)
     """Bare replies not sent yet: they leave together once no further request is waiting (see _loop)."""
@@ -399,7 +400,8 @@ class DataPlaneServer:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
     def _hello(self, conn: _Conn, reader: FrameReader, op: int, req_id: int, length: int) -> None:
-        """HELLO carries the cluster token; any other request before a valid one is refused and closed.
+        """The HELLOs of the token's challenge-response (common/auth.py); any other request before the
+        client proved the token is refused and closed.
 
         The refusal's reply names op HELLO, so a client tells it from a grant's AUTH_FAILED (which
         leaves the connection open). Without a required token, HELLO is answered OK whatever it holds.
@@ -414,11 +416,13 @@ class DataPlaneServer:
             )
         if length > MAX_HELLO_PAYLOAD:
             raise _Close(ErrorCode.BAD_FRAME, f"HELLO of {length} bytes", req_id, Op.HELLO)
-        if not self.auth.check(bytes(reader.read(length)), "data"):
-            conn.authed = False
-            raise _Close(ErrorCode.AUTH_FAILED, "wrong cluster token", req_id, Op.HELLO)
-        conn.authed = True
-        self._reply(conn, Op.HELLO, req_id, ErrorCode.OK)
+        if conn.handshake is None:
+            conn.handshake = self.auth.handshake("data")
+        code, body, why = conn.handshake.answer(bytes(reader.read(length)))
+        conn.authed = conn.handshake.done
+        if code != ErrorCode.OK:
+            raise _Close(code, why, req_id, Op.HELLO)
+        _hold(conn, HEADER.pack(MAGIC, Op.HELLO, 0, 0, req_id, len(body)) + body)
 
     def _wait_for_frame(self, reader: FrameReader) -> bool:
         """Block until the next frame starts; an idle connection may wait forever. False on a clean EOF."""

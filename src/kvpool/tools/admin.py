@@ -3,7 +3,7 @@
     kvpool-admin status            cluster summary: leader, stores, capacity, used, hit rate
     kvpool-admin nodes             one line per node (segments, status, capacity, used, objects)
     kvpool-admin stats             the master's counters
-    kvpool-admin leader            the serving master, its view and the followers
+    kvpool-admin leader            the serving master, its view, and every live master with its state
     kvpool-admin evict [--prefix P] [--force]   remove objects (all, or one namespace)
     kvpool-admin drain NODE [--wait] [--timeout S]   move NODE's objects away (DRAINING -> DRAINED)
     kvpool-admin undrain NODE      cancel a drain (or a scale-in's tombstone)
@@ -145,13 +145,23 @@ def cmd_leader(args: argparse.Namespace) -> int:
         doc = leader_summary(master.removeprefix("etcd://"), args.cluster)
     else:
         s = _stats(args)
-        doc = {"leader": s.leader, "view": s.status.view, "followers": list(s.followers)}
-    _emit(
-        args,
-        doc,
-        lambda d: f"leader {d['leader']} (view {d['view']})\nfollowers {', '.join(d['followers']) or '-'}",
-    )
+        doc = {
+            "leader": s.leader,
+            "view": s.status.view,
+            "followers": list(s.followers),
+            "masters": [{"grpc": m.grpc, "state": m.state} for m in s.masters],
+        }
+    _emit(args, doc, _leader_text)
     return 0
+
+
+def _leader_text(doc: dict[str, Any]) -> str:
+    """The leader, then every live master with its state (leader, warming_up, standby) on a line each."""
+    lines = [f"leader {doc['leader']} (view {doc['view']})", f"followers {', '.join(doc['followers']) or '-'}"]
+    if doc.get("masters"):
+        lines.append("masters")
+        lines.extend(f"  {m['grpc']:<24} {m['state']}" for m in doc["masters"])
+    return "\n".join(lines)
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -173,7 +183,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "status": (cmd_status, "cluster summary"),
     "nodes": (cmd_nodes, "nodes and their segments"),
     "stats": (cmd_stats, "master counters"),
-    "leader": (cmd_leader, "the serving master and its view"),
+    "leader": (cmd_leader, "the serving master, its view and every live master's state"),
     "evict": (cmd_evict, "remove objects (all, or those whose key starts with --prefix)"),
 }
 

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 from kvpool.common import envs
+from kvpool.common.auth import MAX_HELLO_REPLY, client_handshake
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import GrantOp
@@ -150,11 +151,11 @@ class ShmTransport(Transport):
         sock = socket.create_connection((host, int(port)), timeout=max(0.001, deadline.remaining() or 5.0))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._token:
-            sock.sendall(frames.pack_header(frames.Op.HELLO, 0, len(self._token)) + self._token)
-            head = frames.recv_header(sock)
-            if head.status != 0:
+            try:
+                client_handshake(self._token, lambda body: _hello(sock, body), f"store {endpoint}")
+            except (OSError, KvPoolError):
                 sock.close()
-                raise KvPoolError(as_code(head.status), f"store {endpoint} refused the cluster token")
+                raise
         return sock
 
     def _checkin(self, endpoint: str, sock: socket.socket) -> None:
@@ -173,3 +174,12 @@ class ShmTransport(Transport):
                 mapping.close()
         for sock in socks.values():
             sock.close()
+
+
+def _hello(sock: socket.socket, body: bytes) -> tuple[int, bytes]:
+    """One HELLO of the token's challenge-response on a blocking RECORD connection."""
+    sock.sendall(frames.pack_header(frames.Op.HELLO, 0, len(body)) + body)
+    head = frames.recv_header(sock)
+    if head.op != frames.Op.HELLO or head.length > MAX_HELLO_REPLY:
+        raise KvPoolError(ErrorCode.BAD_FRAME, "bad HELLO reply")
+    return head.status, bytes(frames.recv_exact(sock, head.length)) if head.length else b""

@@ -58,6 +58,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.common.auth import MAX_HELLO_REPLY, client_handshake
 from kvpool.common.checksum import LazyChecksum, checksum_value
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
@@ -841,15 +842,28 @@ class _Lane:
         return magic, op, status, length
 
     def _hello(self, deadline: Deadline) -> None:
-        """Present the cluster token: the first frame of every connection when one is configured."""
-        token = self._t.token
-        magic, op, status, length = self._exchange(
-            HEADER.pack(MAGIC, Op.HELLO, 0, 0, 0, len(token)) + token, "HELLO", deadline
-        )
-        if magic != MAGIC or op != Op.HELLO or length:
-            raise _Broken(ErrorCode.BAD_FRAME, f"bad HELLO reply from {self._ep.name}")
-        if status != 0:
-            raise _Broken(as_code(status), f"{self._ep.name} refused the cluster token")
+        """Prove the cluster token (challenge-response, common/auth.py): first on every connection when set."""
+        reader = self._reader
+        assert reader is not None
+
+        def exchange(body: bytes) -> tuple[int, bytes]:
+            frame = HEADER.pack(MAGIC, Op.HELLO, 0, 0, 0, len(body)) + body
+            magic, op, status, length = self._exchange(frame, "HELLO", deadline)
+            if magic != MAGIC or op != Op.HELLO or length > MAX_HELLO_REPLY:
+                raise _Broken(ErrorCode.BAD_FRAME, f"bad HELLO reply from {self._ep.name}")
+            try:
+                return status, bytes(reader.read(length)) if length else b""
+            except BlockingIOError:
+                raise _Broken(ErrorCode.TIMEOUT, f"HELLO to {self._ep.name}: deadline passed") from None
+            except KvPoolError as exc:
+                raise _Broken(exc.code, f"HELLO to {self._ep.name}: {exc.message}") from None
+            except OSError as exc:
+                raise _Broken(ErrorCode.CONNECTION_FAILED, f"HELLO to {self._ep.name}: {exc}") from None
+
+        try:
+            client_handshake(self._t.token, exchange, f"store {self._ep.name}")
+        except KvPoolError as exc:
+            raise _Broken(exc.code, exc.message) from None
 
     def _probe_vectored(self, deadline: Deadline) -> bool:
         """Whether the store takes READV/WRITEV: an empty READV is answered OK by one that does, and
@@ -1067,7 +1081,7 @@ class _Lane:
 
     def _closing_reply(self, code: ErrorCode, reply_op: int) -> _Broken | None:
         """The _Broken for a reply after which the store closes the connection, or None."""
-        if reply_op == Op.HELLO and code == ErrorCode.AUTH_FAILED:  # no (valid) token
+        if reply_op == Op.HELLO and code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_VERSION_MISMATCH):  # no token
             return _Broken(code, f"store {self._ep.name} requires the cluster token")
         if code in _CLOSING_CODES:
             return _Broken(code, f"store {self._ep.name} closed the connection: {code.name}")
@@ -1268,7 +1282,7 @@ class TcpTransport(Transport):
         self.socket_buffer = socket_buffer
         self.reconnect_cooldown_s = reconnect_cooldown_s
         self.token = token
-        """The cluster token, sent in a HELLO first on every new connection when set."""
+        """The cluster token, proved (never sent) by a challenge-response first on every new connection when set."""
         self.spin_s = spin_us / 1e6
         """A single small request polls this long for its answer before it blocks."""
         self.vector_bytes = vector_bytes
