@@ -46,6 +46,14 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
     HiCacheStorageExtraInfo,
 )
 
+try:  # the v2 (hybrid-model) types; an older SGLang has only v1 and never calls the v2 methods
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        PoolHitPolicy,
+        PoolTransferResult,
+    )
+except ImportError:  # pragma: no cover - SGLang before v2
+    PoolHitPolicy = PoolTransferResult = None
+
 from kvpool.client.config import ClientConfig
 from kvpool.client.pool_client import PoolClient, ptr_view
 from kvpool.common import envs
@@ -125,6 +133,7 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.namespace = self._namespace(_DEFAULT_LAYOUT)
         self.per_page = len(self.namespace.object_keys("0" * 64))
         self.pool = PoolClient(config=self._client_config(extra))
+        self._side_per_page: dict[str, int] = {}  # side pool name -> objects per page (v2)
         self._stats_lock = threading.Lock()
         self._stats = _FallbackStorageMetrics()
         self._enable_stats = bool(storage_config.enable_storage_metrics)
@@ -361,6 +370,107 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
+    # --- v2: hybrid models' side pools (Mamba/SSM state, SWA, DSA indexer, draft, DeepSeek-V4) -------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Remember a side pool by name; its pages go through its own ``get_page_buffer_meta``."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) == "kv":
+            return  # the anchor: registered through register_mem_pool_host
+        self._side_per_page[str(host_pool_name)] = _objects_per_page(host_pool)
+        buffer = getattr(host_pool, "kv_buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.numel():
+            try:
+                self.pool.register_buffer(ptr_view(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+            except Exception as exc:
+                log.warning("kvpool: could not register the %s host buffer: %s", host_pool_name, exc)
+
+    def _side_keys(self, name: str, pages: list[str], per_page: int) -> list[str]:
+        """Objects of a side pool's pages: ``<prefix><hash>_<rank>_<pool>_<j>``, j < objects per page."""
+        ns = self.namespace
+        return [f"{ns.prefix}{page}_{ns.rank_suffix}_{_clean(name)}_{j}" for page in pages for j in range(per_page)]
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
+    ) -> Any:
+        """The KV prefix, cut to the stop points every side pool can serve (SGLang's fold semantics:
+        ALL_PAGES needs every page, TRAILING_PAGES the window before the stop point; BLOCK_GROUPS reports
+        its leading whole groups and never gates the KV hit). One lookup for the KV pages, one for all
+        side-pool objects."""
+        kv_pages = len(keys) if self._logical_anchor() else self.batch_exists(keys, extra_info)
+        hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        transfers = [t for t in pool_transfers or [] if str(t.name) != "kv"]
+        if not restorable or not transfers:
+            return PoolTransferResult(kv_pages, hit_count, restorable)
+        spans: list[tuple[Any, int, int, int]] = []
+        objects: list[str] = []
+        for transfer in transfers:
+            per_page = self._side_per_page.get(str(transfer.name), 1)
+            start = len(objects)
+            objects += self._side_keys(str(transfer.name), keys[:kv_pages], per_page)
+            spans.append((transfer, per_page, start, len(objects)))
+        exists = self.pool.batch_exists(objects, timeout=self.lookup_timeout_s)
+        for transfer, per_page, start, end in spans:
+            found = exists[start:end]
+            present = [all(e == 1 for e in found[i * per_page : (i + 1) * per_page]) for i in range(kv_pages)]
+            boundary, stops = _pool_stops(transfer, present)
+            if boundary:
+                hit_count[str(transfer.name)] = boundary
+            if stops is not None:
+                restorable = [p for p in restorable if p in stops]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._batch_io_v2(transfers, extra_info, write=False)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._batch_io_v2(transfers, extra_info, write=True)
+
+    def _batch_io_v2(self, transfers: list[Any], extra_info: Any, write: bool) -> dict[str, list[bool]]:
+        """KV through the v1 path; every side pool's pages in one batched pool call."""
+        results: dict[str, list[bool]] = {}
+        spans: list[tuple[str, int, int, int]] = []
+        objects: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for transfer in transfers:
+            name, keys = str(transfer.name), list(transfer.keys or [])
+            if name == "kv":
+                io = self.batch_set_v1 if write else self.batch_get_v1
+                results[name] = io(keys, transfer.host_indices, extra_info)
+                continue
+            pool = self.registered_pools.get(transfer.name) if hasattr(self, "registered_pools") else None
+            if pool is None or not keys:
+                results[name] = [False] * len(keys)
+                continue
+            if write and not self.is_writer:
+                results[name] = [True] * len(keys)  # MLA: the writer rank stores the one shared copy
+                continue
+            pool_ptrs, pool_sizes = pool.get_page_buffer_meta(transfer.host_indices)
+            per_page = len(pool_ptrs) // len(keys)
+            if per_page < 1 or per_page * len(keys) != len(pool_ptrs):
+                log.error("kvpool: pool %s: %d pointers for %d pages", name, len(pool_ptrs), len(keys))
+                results[name] = [False] * len(keys)
+                continue
+            start = len(objects)
+            objects += self._side_keys(name, keys, per_page)
+            ptrs += [int(p) for p in pool_ptrs]
+            sizes += [int(z) for z in pool_sizes]
+            spans.append((name, per_page, start, len(objects)))
+        if not objects:
+            return results
+        if write:
+            codes = self._put_missing(objects, [ptr_view(p, z) for p, z in zip(ptrs, sizes, strict=True)])
+            want = [0] * len(codes)
+        else:
+            codes = self.pool.batch_get_into_ptrs(objects, ptrs, sizes, timeout=self.timeout_s)
+            want = sizes
+        for name, per_page, start, end in spans:
+            ok = [codes[j] == want[j] for j in range(start, end)]
+            results[name] = [all(ok[i : i + per_page]) for i in range(0, len(ok), per_page)]
+        return results
+
     # --- admin ---------------------------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -403,6 +513,31 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _objects_per_page(host_pool: Any) -> int:
+    """Objects per page of a host pool: the pointers its ``get_page_buffer_meta`` gives for one page."""
+    page = int(getattr(host_pool, "page_size", 1) or 1)
+    try:
+        ptrs, _ = host_pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+        return max(1, len(ptrs))
+    except Exception:  # a pool without pointers for slot 0: its first transfer tells
+        return 1
+
+
+def _pool_stops(transfer: Any, present: list[bool]) -> tuple[int, set[int] | None]:
+    """(pages this pool reports, the KV stop points it allows; None = it does not gate the KV hit)."""
+    n = len(present)
+    policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
+    if policy == "trailing_pages":
+        window = max(1, len(transfer.keys) if transfer.keys else 1)
+        stops = {end for end in range(1, n + 1) if all(present[max(0, end - window) : end])}
+        return (max(stops) if stops else 0), stops
+    leading = next((i for i, p in enumerate(present) if not p), n)
+    if policy == "block_groups":
+        group = max(1, int(getattr(transfer, "group_pages", 0) or 1))
+        return leading // group * group, None
+    return leading, set(range(1, leading + 1))  # all_pages
 
 
 def _leading(ok: list[bool]) -> int:
