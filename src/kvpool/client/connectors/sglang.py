@@ -55,8 +55,8 @@ except ImportError:  # pragma: no cover - SGLang before v2
     PoolHitPolicy = PoolTransferResult = None
 
 from kvpool.client.config import ClientConfig
+from kvpool.client.connectors import base
 from kvpool.client.pool_client import PoolClient, ptr_view
-from kvpool.common import envs
 from kvpool.common.keys import Namespace
 from kvpool.common.log import get_logger
 
@@ -79,38 +79,14 @@ class _FallbackStorageMetrics:
     backup_bandwidth: list[float] = field(default_factory=list)
 
 
-def _clean(part: str) -> str:
-    """A namespace component without ``/`` and ``_``: ``_`` separates the components of a key."""
-    return part.replace("/", "-").replace("_", "-")
+# Shared with the vLLM and LMCache connectors (kvpool.client.connectors.base).
+_clean = base.clean
+_config_value = base.config_value
+_typed = base.typed
 
-
-def _config_value(extra: dict[str, Any], name: str, default: Any) -> Any:
-    value = extra.get(name)
-    return default if value is None or value == "" else value
-
-
-def _typed(extra: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    """extra_config[name] as ``kind`` (a JSON config may give numbers as strings); a value that is not
-    one is a ValueError naming the key, raised while SGLang starts."""
-    value = _config_value(extra, name, default)
-    if kind is bool and not isinstance(value, bool):
-        return str(value).strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        wanted = {int: "a whole number", float: "a number"}.get(kind, kind.__name__)
-        raise ValueError(f"kvpool extra_config {name}={value!r} is not {wanted}") from None
-
-
-# extra_config keys read by this backend, by type (documented in docs/sglang.md)
-_STR_KEYS = ("token_file", "cluster")
-_INT_KEYS = ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries")
-_BOOL_KEYS = ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes")
-_KNOWN_KEYS = frozenset(
-    {"master", "timeout_s", "lookup_timeout_s", "tag", *_STR_KEYS, *_INT_KEYS, *_BOOL_KEYS}
-    # SGLang's own keys that it leaves in extra_config: the dynamic-backend triple and the v1 switch
-    | {"backend_name", "module_path", "class_name", "interface_v1"}
-)
+# extra_config keys read by this backend (documented in docs/sglang.md): the common ones, plus
+# SGLang's own keys that it leaves in extra_config: the dynamic-backend triple and the v1 switch
+_KNOWN_KEYS = base.COMMON_KEYS | {"backend_name", "module_path", "class_name", "interface_v1"}
 
 
 class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
@@ -155,18 +131,7 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     @staticmethod
     def _client_config(extra: dict[str, Any]) -> ClientConfig:
         """The client's config from extra_config, built in one go so that ClientConfig's own checks run."""
-        values: dict[str, Any] = {
-            "master": str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
-            "timeout_s": _typed(extra, "timeout_s", float, 5.0),
-        }
-        for names, kind in ((_STR_KEYS, str), (_INT_KEYS, int), (_BOOL_KEYS, bool)):
-            values.update(
-                {name: _typed(extra, name, kind) for name in names if _config_value(extra, name, None) is not None}
-            )
-        try:
-            return ClientConfig(**values)
-        except ValueError as exc:
-            raise ValueError(f"kvpool extra_config: {exc}") from None
+        return base.client_config(extra)
 
     def _namespace(self, layout: str) -> Namespace:
         cfg = self.storage_config
@@ -390,9 +355,7 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         ns = self.namespace
         return [f"{ns.prefix}{page}_{ns.rank_suffix}_{_clean(name)}_{j}" for page in pages for j in range(per_page)]
 
-    def batch_exists_v2(
-        self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
-    ) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
         """The KV prefix, cut to the stop points every side pool can serve (SGLang's fold semantics:
         ALL_PAGES needs every page, TRAILING_PAGES the window before the stop point; BLOCK_GROUPS reports
         its leading whole groups and never gates the KV hit). One lookup for the KV pages, one for all
