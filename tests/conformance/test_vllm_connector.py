@@ -138,18 +138,21 @@ def test_subclasses_the_real_base_classes_with_their_signatures(v: SimpleNamespa
 # --- scheduler + worker against a cluster -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "in-step"])
 def test_a_second_instance_loads_the_saved_blocks_into_its_paged_cache(
-    v: SimpleNamespace, cluster: LocalCluster
+    v: SimpleNamespace, cluster: LocalCluster, asynchronous: bool
 ) -> None:
     tokens = list(range(1000, 1000 + 5 * BS + 3))  # 5 full blocks and a partial one
-    a = instance(v, cluster.master, model="roundtrip")
-    b = instance(v, cluster.master, model="roundtrip")
+    mode = {"load_async": asynchronous, "save_async": asynchronous}
+    model = f"roundtrip-{asynchronous}"
+    a = instance(v, cluster.master, model=model, **mode)
+    b = instance(v, cluster.master, model=model, **mode)
     try:
         req_a = v.driver.make_request("a", tokens, BS)
         step = a.prefill(req_a)
         assert step.external_tokens == 0
         fill(v, a, step.block_ids, seed=1)
-        a.finish_step(req_a, step.block_ids)
+        a.finish_step(req_a, step.block_ids)  # asynchronous: returns once finished_sending reported it
 
         b._free.reverse()  # other block ids than A's: the load must follow B's own block table
         req_b = v.driver.make_request("b", tokens, BS)

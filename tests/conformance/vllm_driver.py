@@ -10,6 +10,7 @@ The paged cache is per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +39,19 @@ from kvpool.client.connectors.vllm import KvPoolConnector
 
 _HASH = get_hash_fn_by_name("sha256")
 init_none_hash(_HASH)
+
+
+def _output(new: list[Any], scheduled: dict[str, int]) -> Any:
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
 
 
 class FakeVllmConfig(SimpleNamespace):
@@ -106,16 +120,22 @@ class Instance:
         self._free = list(range(num_blocks))
 
     def prefill(self, request: Any, before_load: Any = None) -> Step:
-        """Schedule ``request`` whole (one step): lookup, allocate, build the metadata, load.
+        """Schedule ``request`` whole: lookup, allocate, load (asynchronously: the request waits for its
+        KV as in WAITING_FOR_REMOTE_KVS, then is scheduled), build the step's metadata.
         ``before_load`` runs between the scheduler's lookup and the worker's load."""
-        import time
-
         hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert hit is not None
-        assert not load_async
+        assert load_async == (hit > 0 and self.scheduler.load_async)
         blocks = [KVCacheBlock(self._free.pop(0)) for _ in range(math.ceil(request.num_tokens / self.block_size))]
         self.scheduler.update_state_after_alloc(request, KVCacheBlocks((blocks,)), hit)
         ids = [b.block_id for b in blocks]
+        errors: set[int] = set()
+        seconds = 0.0
+        if load_async:
+            # the load's own step: the request is not scheduled, only its load is in the metadata
+            meta = self.scheduler.build_connector_meta(_output([], {}))
+            errors, seconds = self._run_load(meta, before_load, request.request_id)
+            self.scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
         new = NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -126,34 +146,50 @@ class Instance:
             num_computed_tokens=hit,
             lora_request=None,
         )
-        self._meta = self.scheduler.build_connector_meta(
-            SchedulerOutput(
-                scheduled_new_reqs=[new],
-                scheduled_cached_reqs=CachedRequestData.make_empty(),
-                num_scheduled_tokens={request.request_id: request.num_tokens - hit},
-                total_num_scheduled_tokens=request.num_tokens - hit,
-                scheduled_spec_decode_tokens={},
-                scheduled_encoder_inputs={},
-                finished_req_ids=set(),
-                free_encoder_mm_hashes=[],
-            )
-        )
+        self._meta = self.scheduler.build_connector_meta(_output([new], {request.request_id: request.num_tokens - hit}))
+        if not load_async:
+            errors, seconds = self._run_load(self._meta, before_load, None)
+        else:
+            self.worker.bind_connector_metadata(self._meta)
+        return Step(hit, ids, errors, seconds)
+
+    def _run_load(self, meta: Any, before_load: Any, wait_for: str | None) -> tuple[set[int], float]:
         if before_load is not None:
             before_load()
-        self.worker.bind_connector_metadata(self._meta)
+        self.worker.bind_connector_metadata(meta)
         start = time.monotonic()
         self.worker.start_load_kv(None)
         for name in self.kv:
             self.worker.wait_for_layer_load(name)
-        seconds = time.monotonic() - start
-        return Step(hit, ids, self.worker.get_block_ids_with_load_errors(), seconds)
+        errors = set(self.worker.get_block_ids_with_load_errors())
+        if wait_for is not None:  # the model runner polls get_finished every step
+            self.worker.wait_for_save()
+            self.worker.clear_connector_metadata()
+            end = time.monotonic() + 60
+            while True:
+                _, recving = self.worker.get_finished(set())
+                errors |= self.worker.get_block_ids_with_load_errors()
+                if recving and wait_for in recving:
+                    break
+                assert time.monotonic() < end, "the asynchronous load never finished"
+                time.sleep(0.005)
+        return errors, time.monotonic() - start
 
     def finish_step(self, request: Any, block_ids: list[int]) -> None:
-        """After the forward: the worker saves, the scheduler frees."""
+        """After the forward: the worker saves, the scheduler frees - once the saves are done when the
+        connector asks to delay the free."""
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
         delay, _ = self.scheduler.request_finished_all_groups(request, (block_ids,))
-        assert not delay
+        finished = {request.request_id}
+        end = time.monotonic() + 60
+        while delay:
+            sending, _ = self.worker.get_finished(finished)
+            finished = set()
+            if sending and request.request_id in sending:
+                break
+            assert time.monotonic() < end, "the asynchronous save never finished"
+            time.sleep(0.005)
 
     # --- the paged cache as the model sees it ---------------------------------------------------
 

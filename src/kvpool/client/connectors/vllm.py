@@ -8,7 +8,7 @@ Loaded out of tree (vllm 0.33)::
 
 Extra-config keys: the common ones of :mod:`kvpool.client.connectors.base` (``master``, ``timeout_s``,
 ``lookup_timeout_s``, ``tag``, ``token_file``, ...) plus ``save_decode`` (also store blocks filled while
-decoding, default true). See docs/vllm.md.
+decoding, default true), ``load_async`` and ``save_async`` (default true). See docs/vllm.md.
 
 **Keys.** A block's key is vLLM's own block hash (hex), which already chains the parent block and folds in
 vLLM's extra keys (LoRA, multimodal inputs, cache salt). The namespace adds the model, the KV dtype, the
@@ -19,13 +19,15 @@ layout's own order (the layout is part of the object keys) - and a small marker 
 them: the scheduler's prefix lookup checks one marker per block and rank, one master round trip.
 
 **Flow.** Scheduler: ``get_num_new_matched_tokens`` (one prefix lookup, bounded by ``lookup_timeout_s``;
-0 when the pool is down) -> ``update_state_after_alloc`` (what to load) -> ``build_connector_meta`` (loads,
-and the newly full blocks to save). Worker: ``start_load_kv`` reads the blocks straight into the paged
-cache (one batched call, bounded by ``timeout_s``); a block that fails is reported by
-``get_block_ids_with_load_errors`` with every block after it, and vLLM's ``kv_load_failure_policy``
-decides: recompute, or fail the request. ``wait_for_save`` writes the step's full blocks with batched
-zero-copy puts after the forward; they are done when it returns, so ``request_finished`` never has to
-delay freeing blocks. GPU caches go through a host staging copy.
+0 when the pool is down; asynchronous where there is a hit) -> ``update_state_after_alloc`` (what to load)
+-> ``build_connector_meta`` (loads, and the newly full blocks to save). Worker: ``start_load_kv`` reads
+the blocks straight into the paged cache (one batched call, bounded by ``timeout_s``) on a loader thread,
+reported by ``get_finished`` when done; a block that fails is reported by ``get_block_ids_with_load_errors``
+with every block after it, and vLLM's ``kv_load_failure_policy`` decides: recompute, or fail the request.
+``wait_for_save`` hands the step's full blocks to a saver thread (batched zero-copy puts, then markers);
+``request_finished`` then returns True and vLLM keeps the blocks until ``get_finished`` reports the saves
+done. ``load_async``/``save_async`` false do both inside the step. GPU caches go through a host staging
+copy.
 
 ``import kvpool.client.connectors.vllm`` works without vLLM or torch; constructing the connector without
 them raises an ImportError naming what is missing.
@@ -34,7 +36,9 @@ them raises an ImportError naming what is missing.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +82,7 @@ else:
 MARKER = b"kvpool-block\x00\x00\x00\x00"
 """The value of a block's marker object; only its presence is read."""
 
-_KNOWN_KEYS = frozenset({"save_decode"})
+_KNOWN_KEYS = frozenset({"save_decode", "load_async", "save_async"})
 
 
 @dataclass
@@ -107,6 +111,8 @@ class _RequestState:
     block_ids: dict[int, list[int]] = field(default_factory=dict)
     saved_blocks: int = 0
     """Leading blocks already in the pool (loaded, or saved by an earlier step)."""
+    saving: bool = False
+    """A save was scheduled: with asynchronous saves, freeing waits for the worker's finished_sending."""
 
 
 @dataclass
@@ -153,6 +159,8 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         self.pool = self._pool_side.pool
         self.block_size = int(_attr(vllm_config, "cache_config.block_size", 16))
         self.save_decode = bool(typed(extra, "save_decode", bool, True))
+        self.load_async = bool(typed(extra, "load_async", bool, True))
+        self.save_async = bool(typed(extra, "save_async", bool, True))
         self.is_producer = bool(getattr(transfer, "is_kv_producer", True))
         self.is_consumer = bool(getattr(transfer, "is_kv_consumer", True))
         self.tp_size = int(_attr(vllm_config, "parallel_config.tensor_parallel_size", 1))
@@ -176,6 +184,13 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         self.tp_rank, self.pp_rank = _parallel_rank()
         self._layers: list[_LayerRegion] = []
         self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        # asynchronous transfers (worker): one thread loads, one saves, so a load never waits behind saves
+        self._loader: ThreadPoolExecutor | None = None
+        self._saver: ThreadPoolExecutor | None = None
+        self._recving: dict[str, list[Future[None]]] = {}
+        self._sending: dict[str, list[Future[None]]] = {}
+        self._finished_waiting: set[str] = set()  # finished requests whose saves are still running
         self._loads_failed = 0
         log.info(
             "kvpool vLLM connector (%s): master %s, namespace %s, groups %s",
@@ -240,7 +255,7 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         keys = [self.marker_key(h, tp, pp) for h in hashes[first:usable] for tp, pp in ranks]
         found = self._pool_side.lookup_prefix(keys) // len(ranks)
         self._lookups[request.request_id] = (first, found)
-        return found * self.block_size, False
+        return found * self.block_size, bool(found and self.load_async)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
@@ -294,12 +309,14 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         ids = {g: state.block_ids[g][start:full] for g in self.groups}
         meta.saves.append(BlockTransfer(request.request_id, hashes[start:full], ids))
         state.saved_blocks = full
+        state.saving = True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves finish inside the step (``wait_for_save``): the blocks can be freed now."""
-        self._requests.pop(request.request_id, None)
+        """True when saves of the request may still be running (asynchronous saves): vLLM then keeps its
+        blocks until the workers report it in ``get_finished``'s finished_sending."""
+        state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        return False, None
+        return bool(state is not None and state.saving and self.save_async), None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -361,19 +378,31 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         if not isinstance(meta, KvPoolConnectorMetadata) or not self._layers:
             return
         for transfer in meta.loads:
-            if transfer.hashes:
+            if not transfer.hashes:
+                continue
+            if self.load_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-vllm-load")
+                future = self._loader.submit(self._load, transfer)
+                self._recving.setdefault(transfer.req_id, []).append(future)
+            else:
                 self._load(transfer)
 
     def _load(self, transfer: BlockTransfer) -> None:
-        keys, tensors, owner = self._regions(transfer)
-        ok = _move(self._pool_side, keys, tensors, read=True)
-        failed_at = next((owner[i] for i, good in enumerate(ok) if not good), None)
+        try:
+            keys, tensors, owner = self._regions(transfer)
+            ok = _move(self._pool_side, keys, tensors, read=True)
+            failed_at = next((owner[i] for i, good in enumerate(ok) if not good), None)
+        except Exception as exc:  # whatever went wrong, no block of this load may count as loaded
+            log.error("kvpool vLLM connector: load of request %s failed: %s", transfer.req_id, exc)
+            failed_at = 0
         if failed_at is None:
             return
         self._loads_failed += 1
-        for g, ids in transfer.block_ids.items():
-            if g in self.groups:
-                self._load_errors.update(ids[failed_at:])
+        with self._errors_lock:
+            for g, ids in transfer.block_ids.items():
+                if g in self.groups:
+                    self._load_errors.update(ids[failed_at:])
         log.warning(
             "kvpool vLLM connector: request %s: blocks %d..%d did not load; vLLM recomputes them",
             transfer.req_id,
@@ -392,11 +421,20 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         meta = self._connector_metadata
         if not isinstance(meta, KvPoolConnectorMetadata) or not self._layers:
             return
-        if self.mla and self.tp_rank != 0:
-            return  # MLA: one copy, written by TP rank 0
+        writer = not (self.mla and self.tp_rank != 0)  # MLA: one copy, written by TP rank 0
         for transfer in meta.saves:
-            if transfer.hashes:
-                self._save(transfer)
+            if not transfer.hashes:
+                continue
+            if not self.save_async:
+                if writer:
+                    self._save(transfer)
+                continue
+            # Every rank tracks the request (vLLM waits for all of them), only writers write.
+            futures = self._sending.setdefault(transfer.req_id, [])
+            if writer:
+                if self._saver is None:
+                    self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-vllm-save")
+                futures.append(self._saver.submit(self._save, transfer))
 
     def _save(self, transfer: BlockTransfer) -> None:
         keys, tensors, owner = self._regions(transfer)
@@ -419,13 +457,27 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
                 log.warning("kvpool vLLM connector: markers of %d blocks not written: %s", len(markers), exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves are synchronous within the step
+        """(requests whose saves are all done, once finished; requests whose loads are all done).
+        A load's failed blocks are recorded before its request is reported here."""
+        recving = {r for r, fs in self._recving.items() if all(f.done() for f in fs)}
+        for req_id in recving:
+            del self._recving[req_id]
+        self._finished_waiting |= finished_req_ids & set(self._sending)
+        sending = {r for r in self._finished_waiting if all(f.done() for f in self._sending[r])}
+        for req_id in sending:
+            self._finished_waiting.discard(req_id)
+            del self._sending[req_id]
+        return (sending or None), (recving or None)
 
     def shutdown(self) -> None:
+        for executor in (self._loader, self._saver):
+            if executor is not None:
+                executor.shutdown(wait=True)  # every call has a deadline: this ends
         self._pool_side.close()
 
 
