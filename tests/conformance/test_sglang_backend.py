@@ -126,11 +126,15 @@ def make_backend(
     tp_rank: int = 0,
     tp_size: int = 1,
     mla: bool = False,
+    tp_lcm_size: int | None = None,
+    should_split_heads: bool = False,
     **extra: Any,
 ) -> Any:
     config = sgl.Config(
         tp_rank=tp_rank,
         tp_size=tp_size,
+        tp_lcm_size=tp_lcm_size,
+        should_split_heads=should_split_heads,
         pp_rank=0,
         pp_size=1,
         attn_cp_rank=0,
@@ -563,3 +567,62 @@ def test_v2_a_missing_side_page_cuts_the_prefix(sgl: SimpleNamespace, backends: 
     assert writer.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=indexer.slots(0, 1), keys=keys[:1])]) == {
         "swa": [False]
     }
+
+
+# ------------------------------------------------------------------------- mixed TP: tp_lcm_size
+class FakePageHeadPool:
+    """SGLang's MHA host pool with the page_head layout, ``[2, pages, heads, page, layers, dim]``, with the
+    pointer arithmetic of ``get_page_buffer_meta`` and ``get_split_heads_page_buffer_meta`` (pool_host/mha.py)."""
+
+    layout = "page_head"
+
+    def __init__(self, torch: Any, pages: int, heads: int, data: Any = None) -> None:
+        self.torch = torch
+        self.page_size, self.layer_num, self.head_num, self.head_dim = PAGE, LAYERS, heads, DIM
+        self.dtype = torch.bfloat16
+        self.size = pages * PAGE
+        dims = (2, pages, heads, PAGE, LAYERS, DIM)
+        self.kv_buffer = data.contiguous() if data is not None else torch.zeros(dims, dtype=self.dtype)
+
+    def _head_bytes(self) -> int:
+        return int(self.page_size * self.layer_num * self.head_dim * self.dtype.itemsize)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        base, v_offset = self.kv_buffer.data_ptr(), self.kv_buffer[0].numel() * self.dtype.itemsize
+        ptrs: list[int] = []
+        for i in range(0, len(indices), self.page_size):
+            k = base + int(indices[i]) * self.head_num * self.layer_num * self.head_dim * self.dtype.itemsize
+            ptrs += [k, k + v_offset]
+        return ptrs, [self.head_num * self._head_bytes()] * len(ptrs)
+
+    def get_split_heads_page_buffer_meta(self, indices: Any, split_factor: int) -> tuple[list[int], list[int]]:
+        base, v_offset = self.kv_buffer.data_ptr(), self.kv_buffer[0].numel() * self.dtype.itemsize
+        step = self.head_num // split_factor
+        ptrs: list[int] = []
+        for i in range(0, len(indices), self.page_size):
+            page = base + int(indices[i]) * self.head_num * self.layer_num * self.head_dim * self.dtype.itemsize
+            for head in range(0, self.head_num, step):
+                k = page + head * self._head_bytes()
+                ptrs += [k, k + v_offset]
+        return ptrs, [step * self._head_bytes()] * len(ptrs)
+
+
+def test_mixed_tp_instances_share_pages_through_tp_lcm_size(sgl: SimpleNamespace, backends: Backends) -> None:
+    t = sgl.torch
+    keys = hashes(3, seed=51)
+    data = t.randn((2, 3, 2, PAGE, LAYERS, DIM), generator=t.Generator().manual_seed(9)).to(t.bfloat16)
+    # TP2 rank 0 holds KV heads 0-1 of 4; with tp_lcm_size 4 it stores them as the shards of TP4 ranks 0, 1
+    tp2 = backends("org/mixed", tp_rank=0, tp_size=2, tp_lcm_size=4, should_split_heads=True)
+    tp2.register_mem_pool_host(FakePageHeadPool(t, 3, heads=2, data=data))
+    assert tp2.batch_set_v1(keys, t.arange(0, 3 * PAGE)) == [True] * 3
+    for rank in (0, 1):
+        tp4 = backends("org/mixed", tp_rank=rank, tp_size=4, tp_lcm_size=4, should_split_heads=False)
+        host = FakePageHeadPool(t, 3, heads=1)
+        tp4.register_mem_pool_host(host)
+        assert tp4.batch_exists(keys) == 3
+        assert tp4.batch_get_v1(keys, t.arange(0, 3 * PAGE)) == [True] * 3
+        assert t.equal(host.kv_buffer[:, :, 0], data[:, :, rank])  # its own head, from the TP2 writer
+    # TP4 rank 2's heads were never written (they belong to TP2 rank 1): no false hit
+    other = backends("org/mixed", tp_rank=2, tp_size=4, tp_lcm_size=4, should_split_heads=False)
+    other.register_mem_pool_host(FakePageHeadPool(t, 3, heads=1))
+    assert other.batch_exists(keys) == 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch  # type: ignore[import-not-found,unused-ignore]
@@ -106,18 +106,21 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.mem_pool_host: Any = None
         self.layout = _DEFAULT_LAYOUT
         self._user_tag = _clean(str(_config_value(extra, "tag", "")))
+        # Mixed TP (tp_lcm_size): a rank stores its heads as split_factor shards keyed by their rank in a
+        # TP of tp_lcm_size, so instances of every TP size dividing tp_lcm_size share pages.
+        lcm = int(storage_config.tp_lcm_size or 0)
+        self.split_factor = 1
+        self._lcm_tp = lcm if lcm and not storage_config.is_mla_model else 0
+        if storage_config.should_split_heads and self._lcm_tp and lcm % storage_config.tp_size == 0:
+            self.split_factor = lcm // storage_config.tp_size
         self.namespace = self._namespace(_DEFAULT_LAYOUT)
-        self.per_page = len(self.namespace.object_keys("0" * 64))
+        self._shards = self._shard_namespaces()
+        self.per_page = len(self.namespace.object_keys("0" * 64)) * self.split_factor
         self.pool = PoolClient(config=self._client_config(extra))
         self._side_per_page: dict[str, int] = {}  # side pool name -> objects per page (v2)
         self._stats_lock = threading.Lock()
         self._stats = _FallbackStorageMetrics()
         self._enable_stats = bool(storage_config.enable_storage_metrics)
-        if storage_config.should_split_heads:
-            log.warning(
-                "kvpool: tp_lcm_size head splitting is not supported; pages are keyed per TP rank "
-                "and TP size, so instances of different TP sizes do not share"
-            )
         log.info(
             "kvpool HiCache backend: master %s, namespace prefix %r, %s, writer=%s",
             self.pool.config.master,
@@ -137,7 +140,7 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         cfg = self.storage_config
         parts = [self._user_tag]
         if not cfg.is_mla_model:
-            parts.append(f"tp{cfg.tp_size}")
+            parts.append(f"tp{self._lcm_tp or cfg.tp_size}")
         if layout != _DEFAULT_LAYOUT:
             parts.append(_clean(layout))
         if cfg.attn_cp_size > 1:
@@ -157,6 +160,11 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         super().register_mem_pool_host(mem_pool_host)
         self.layout = str(getattr(mem_pool_host, "layout", _DEFAULT_LAYOUT))
         self.namespace = self._namespace(self.layout)
+        self._shards = self._shard_namespaces()
+        if self.split_factor > 1 and self.layout != "page_head":
+            raise ValueError(
+                f"kvpool: tp_lcm_size head splitting needs --hicache-mem-layout page_head, not {self.layout}"
+            )
         if self.layout not in _V1_LAYOUTS:
             log.warning(
                 "kvpool: host layout %s has no per-object pointers: pages go through flat copies "
@@ -172,9 +180,16 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     # --- keys ----------------------------------------------------------------------------------------
 
-    def _object_keys(self, keys: list[str]) -> list[str]:
+    def _shard_namespaces(self) -> list[Namespace]:
+        """One namespace per head shard this rank stores: its own, or with head splitting the
+        ``split_factor`` ranks it covers in a TP of ``tp_lcm_size`` (SGLang's pointer order)."""
         ns = self.namespace
-        return [key for page in keys for key in ns.object_keys(page)]
+        first = ns.tp_rank * self.split_factor
+        return [replace(ns, tp_rank=first + i) for i in range(self.split_factor)] if self.split_factor > 1 else [ns]
+
+    def _object_keys(self, keys: list[str]) -> list[str]:
+        shards = self._shards
+        return [key for page in keys for ns in shards for key in ns.object_keys(page)]
 
     def _pages_ok(self, codes: list[int], want: list[int]) -> list[bool]:
         """Per page: did every object of the page get ``want`` (bytes read, or 0 for puts)?"""
@@ -196,7 +211,10 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     # --- zero-copy path ------------------------------------------------------------------------------
 
     def _page_meta(self, keys: list[str], host_indices: Any) -> tuple[list[int], list[int]] | None:
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if self.split_factor > 1:
+            ptrs, sizes = self.mem_pool_host.get_split_heads_page_buffer_meta(host_indices, self.split_factor)
+        else:
+            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(keys) * self.per_page:
             log.error(
                 "kvpool: %d pointers for %d pages (layout %s); expected %d per page",
@@ -299,6 +317,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         """Read pages into flat page tensors (allocated from the host pool when not given); None = miss."""
         if not keys:
             return []
+        if self.split_factor > 1:  # flat pages are not in head-shard order: only the v1 path splits heads
+            log.error("kvpool: tp_lcm_size head splitting needs interface_v1; the flat-page get is refused")
+            return [None] * len(keys)
         targets = (
             list(target_locations)
             if target_locations is not None
@@ -322,6 +343,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return True
         if not self.is_writer:
             return True
+        if self.split_factor > 1:
+            log.error("kvpool: tp_lcm_size head splitting needs interface_v1; the flat-page set is refused")
+            return False
         if values is None or len(values) != len(keys):
             return False
         pages = [p.contiguous() for p in values]  # keep the contiguous copies alive during the put
