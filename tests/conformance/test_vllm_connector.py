@@ -250,3 +250,10 @@ class socket_free_port:
 
     def __exit__(self, *exc: object) -> None:
         self._sock.close()
+
+
+def test_a_bad_extra_config_value_stops_the_engine_at_start_naming_the_key(v: SimpleNamespace) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        instance(v, "127.0.0.1:1", model="bad", timeout_s="soon")
+    with pytest.raises(ValueError, match="lookup_timeout_s"):
+        instance(v, "127.0.0.1:1", model="bad", lookup_timeout_s=0)

@@ -70,8 +70,9 @@ def _is_hash(part: str) -> bool:
 class KvEventsConfig:
     endpoint: str
     """ZMQ endpoint to bind, e.g. ``tcp://*:5557``."""
-    queue_calls: int = 4096
-    """Master calls (each up to max_batch keys) waiting for the publisher; past it keys are dropped."""
+    queue_calls: int = 65536
+    """Master calls waiting for the publisher (a put_end batch, or one removed or evicted object each);
+    past it keys are dropped."""
     batch_events: int = 1024
     """Most page events in one published batch."""
     flush_s: float = 0.05
