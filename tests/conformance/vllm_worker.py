@@ -6,8 +6,9 @@
     vllm_worker.py read --master M --seed S [--prompt-len 256] [--turn-len 40] [--pause-file F]
         prompt + a new turn: the connector finds and loads the prefix blocks into the paged cache, the
         model prefills only the rest, and the logits are compared with a full recompute. With
-        --pause-file, the worker prints ``looked-up`` after the scheduler's lookup and waits for F to
-        exist before the load (the test breaks the pool in between).
+        --pause-file, a second engine instance in the same process (``timeout_s`` --timeout-s, TCP only)
+        then reads again, printing ``looked-up`` after the scheduler's lookup and waiting for F to exist
+        before the load (the test breaks the pool in between); one process saves an import of vLLM.
 
 The model is the tiny Llama of tiny_llama.py; each process prints one JSON object on stdout.
 """
@@ -29,8 +30,8 @@ BLOCK = 16
 HEAD_DIM = 32  # hidden 128 / 4 query heads
 
 
-def instance(args: argparse.Namespace, model: Any) -> Any:
-    extra = {"master": args.master, "timeout_s": args.timeout_s, "use_shm": args.use_shm}
+def instance(args: argparse.Namespace, model: Any, **extra: Any) -> Any:
+    extra = {"master": args.master, **extra}
     return vd.Instance(
         extra,
         layers=model.config.num_hidden_layers,
@@ -67,18 +68,23 @@ def _wait_for(path: Path, timeout: float) -> None:
 
 
 def read(args: argparse.Namespace) -> dict[str, Any]:
-    model = tl.load_model(args.seed)
-    full = tl.tokens(args.seed, args.prompt_len) + tl.tokens(args.seed + 1, args.turn_len)
-    inst = instance(args, model)
-    pause = None
+    result = read_once(args, "read", None)
     if args.pause_file:
 
         def pause() -> None:
             print("looked-up", file=sys.stderr, flush=True)
             _wait_for(Path(args.pause_file), 60)
 
+        result["failed_pool"] = read_once(args, "read-paused", pause, timeout_s=args.timeout_s, use_shm=False)
+    return result
+
+
+def read_once(args: argparse.Namespace, req_id: str, pause: Any, **extra: Any) -> dict[str, Any]:
+    model = tl.load_model(args.seed)
+    full = tl.tokens(args.seed, args.prompt_len) + tl.tokens(args.seed + 1, args.turn_len)
+    inst = instance(args, model, **extra)
     try:
-        request = vd.make_request("read", full, BLOCK)
+        request = vd.make_request(req_id, full, BLOCK)
         step = inst.prefill(request, before_load=pause)
         # vLLM's recompute policy: from the first block that failed to load, the tokens are recomputed.
         failed_at = min((step.block_ids.index(b) for b in step.load_errors), default=None)
@@ -114,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--turn-len", type=int, default=40)
     parser.add_argument("--timeout-s", type=float, default=5.0)
-    parser.add_argument("--use-shm", type=int, default=1)
     parser.add_argument("--pause-file", default="")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # two of these may share 2 cores with the cluster
