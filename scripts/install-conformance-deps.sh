@@ -4,7 +4,11 @@
 #   sglang 0.5.23 WITHOUT its dependencies (it pins torch 2.14.1 and ~70 GPU packages; the tests import only
 #   its storage interface through a light-package shim, see tests/conformance/sglang_shim.py),
 #   transformers 5.24.0 (the tiny random Llama of the end-to-end model check; its cache API is moving,
-#   so it is pinned).
+#   so it is pinned),
+#   vllm 0.33.0 and lmcache 0.5.6 WITHOUT their dependencies (both pin CUDA torch builds; 336 MB and 18 MB
+#   wheels), then only the CPU packages that the modules the tests import need (VLLM_IMPORT_DEPS: what
+#   vllm/distributed/kv_transfer/kv_connector/v1/base.py, v1/request.py and v1/core pull in;
+#   LMCACHE_IMPORT_DEPS: lmcache's storage_backend connector and LocalCPUBackend, numba for its CPU ops).
 # Usage: scripts/install-conformance-deps.sh [VENV]     Prints how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +19,14 @@ PY="$VENV/bin/python"
 TORCH=2.13.0
 SGLANG=0.5.23
 TRANSFORMERS=5.24.0
+VLLM=0.33.0
+LMCACHE=0.5.6
+VLLM_IMPORT_DEPS=(psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 aiohttp==3.14.5 openai-harmony==0.0.8 openai==3.57.0
+  pillow==13.0.0 pybase64==1.5.1 cachetools==8.0.2 msgspec==0.23.0 cloudpickle==3.1.3 py-cpuinfo==9.0.0
+  xgrammar==0.2.9 fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1)
+LMCACHE_IMPORT_DEPS=(numba==0.68.1 aiofile==3.12.3 cryptography==50.0.2)
+# sglang's KV-event classes (tests/conformance/test_sglang_kv_events.py) import its utils, which need orjson
+SGLANG_EVENTS_DEPS=(orjson==3.13.0)
 start=$(date +%s)
 
 have() {  # have DIST VERSION: is exactly that version installed in the venv?
@@ -44,6 +56,11 @@ pip_install() {  # quiet; the resolver's complaints about sglang's ~70 unmet GPU
 have torch "$TORCH" || pip_install "torch==$TORCH" --only-binary=:all:
 have sglang "$SGLANG" || pip_install --no-deps "sglang==$SGLANG"
 have transformers "$TRANSFORMERS" || pip_install "transformers==$TRANSFORMERS"
+have vllm "$VLLM" || pip_install --no-deps "vllm==$VLLM"
+have lmcache "$LMCACHE" || pip_install --no-deps "lmcache==$LMCACHE"
+# torch and transformers are named again so that the resolver keeps the pinned CPU builds.
+"$PY" -c "import psutil, zmq, cbor2, openai_harmony, xgrammar, llguidance, numba, aiofile, orjson" 2>/dev/null \
+  || pip_install "torch==$TORCH" "transformers==$TRANSFORMERS" "${VLLM_IMPORT_DEPS[@]}" "${LMCACHE_IMPORT_DEPS[@]}" "${SGLANG_EVENTS_DEPS[@]}"
 # numpy: torch warns without it and .numpy() needs it (kvpool depends on it anyway).
 "$PY" -c "import numpy" 2>/dev/null || pip_install numpy
 
@@ -56,6 +73,11 @@ pkg = types.ModuleType("sglang"); pkg.__path__ = list(spec.submodule_search_loca
 sys.modules["sglang"] = pkg
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: F401
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: F401
-print(f"install-conformance-deps: torch {torch.__version__}, transformers {transformers.__version__}, sglang interface OK")
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA  # noqa: F401
+from vllm.v1.request import Request  # noqa: F401
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector  # noqa: F401
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: F401
+print(f"install-conformance-deps: torch {torch.__version__}, transformers {transformers.__version__}, "
+      "sglang, vllm and lmcache interfaces OK")
 PYEOF
 echo "install-conformance-deps: done in $(( $(date +%s) - start )) s"

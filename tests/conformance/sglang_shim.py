@@ -18,7 +18,8 @@ import types
 import pytest
 
 INSTALL_HINT = (
-    "run scripts/install-conformance-deps.sh (torch 2.13.0 CPU, sglang 0.5.23 --no-deps, transformers 5.24.0)"
+    "run scripts/install-conformance-deps.sh (torch 2.13.0 CPU, sglang 0.5.23, vllm 0.33.0 and lmcache 0.5.6 "
+    "--no-deps, transformers 5.24.0)"
 )
 
 

@@ -126,11 +126,15 @@ def make_backend(
     tp_rank: int = 0,
     tp_size: int = 1,
     mla: bool = False,
+    tp_lcm_size: int | None = None,
+    should_split_heads: bool = False,
     **extra: Any,
 ) -> Any:
     config = sgl.Config(
         tp_rank=tp_rank,
         tp_size=tp_size,
+        tp_lcm_size=tp_lcm_size,
+        should_split_heads=should_split_heads,
         pp_rank=0,
         pp_size=1,
         attn_cp_rank=0,
@@ -432,3 +436,193 @@ def test_keys_follow_sglang_page_hashes() -> None:
         "baed642339816affb3fe8719792d0e4ce82f12db72b7373d244eaa65445800fe",
         "01414b052706d93bd0f1f1646c0e8ca2fa8ef5efd7bcc99f7a1cee8eb11ad052",
     ]
+
+
+# ---------------------------------------------------------------------------------- v2: hybrid models
+class FakeSidePool:
+    """A hybrid model's side host pool (Mamba state, DSA indexer) as the v2 calls see it: its own slots,
+    ``page_size`` tokens per page, and ``parts`` objects per page from ``get_page_buffer_meta``."""
+
+    def __init__(self, torch: Any, slots: int, page_size: int, row_bytes: int, parts: int, seed: int) -> None:
+        self.torch = torch
+        self.page_size = page_size
+        self.parts = parts
+        self.row_bytes = row_bytes
+        self.buffers = [
+            torch.randint(
+                0, 255, (slots, row_bytes), generator=torch.Generator().manual_seed(seed + j), dtype=torch.uint8
+            )
+            for j in range(parts)
+        ]
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        ptrs: list[int] = []
+        for i in range(0, len(indices), self.page_size):
+            slot = int(indices[i])
+            ptrs += [b.data_ptr() + slot * self.row_bytes for b in self.buffers]
+        return ptrs, [self.page_size * self.row_bytes] * len(ptrs)
+
+    def slots(self, first: int, pages: int) -> Any:
+        return self.torch.arange(first * self.page_size, (first + pages) * self.page_size, dtype=self.torch.int64)
+
+    def rows(self, first: int, pages: int) -> list[Any]:
+        span = slice(first * self.page_size, (first + pages) * self.page_size)
+        return [b[span].clone() for b in self.buffers]
+
+
+def hybrid_backend(sgl: SimpleNamespace, backends: Backends, seed: int | None, model: str) -> tuple[Any, Any, Any, Any]:
+    from sglang.srt.mem_cache.hicache_storage import PoolName  # type: ignore[import-untyped]
+
+    backend = backends(model)
+    kv = FakeHostPool(sgl.torch, 8, seed=seed)
+    mamba = FakeSidePool(sgl.torch, 8, 1, 96, parts=2, seed=seed or 0)  # temporal + conv state, one slot a page
+    indexer = FakeSidePool(sgl.torch, 8 * PAGE, PAGE, 8, parts=1, seed=(seed or 0) + 100)
+    if seed is None:
+        for b in (*mamba.buffers, *indexer.buffers):
+            b.zero_()
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    return backend, kv, mamba, indexer
+
+
+def test_v2_hybrid_pages_round_trip_with_their_side_pools(sgl: SimpleNamespace, backends: Backends) -> None:
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+
+    keys = hashes(4, seed=41)
+    writer, kv, mamba, indexer = hybrid_backend(sgl, backends, seed=5, model="org/hybrid")
+    written = writer.batch_set_v2(
+        [
+            PoolTransfer(PoolName.KV, host_indices=kv.pages(0, 4), keys=keys),
+            # Mamba keeps the state of the last page only: TRAILING_PAGES with a one-page window
+            PoolTransfer(
+                PoolName.MAMBA, host_indices=mamba.slots(3, 1), keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+            ),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer.slots(0, 4), keys=keys),
+        ]
+    )
+    assert written == {"kv": [True] * 4, "mamba": [True], "indexer": [True] * 4}
+
+    reader, kv2, mamba2, indexer2 = hybrid_backend(sgl, backends, seed=None, model="org/hybrid")
+    probe = [
+        PoolTransfer(PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+    ]
+    found = reader.batch_exists_v2([*keys, *hashes(1, seed=42)], probe)
+    assert isinstance(found, PoolTransferResult)
+    # KV holds 4 pages; the Mamba state exists only at page 4's boundary, so 4 is the one stop point.
+    assert found.kv_hit_pages == 4
+    assert found.restorable_prefix_pages == [4]
+    assert found.extra_pool_hit_pages == {"kv": 4, "mamba": 4, "indexer": 4}
+
+    got = reader.batch_get_v2(
+        [
+            PoolTransfer(PoolName.KV, host_indices=kv2.pages(2, 4), keys=keys),
+            PoolTransfer(PoolName.MAMBA, host_indices=mamba2.slots(6, 1), keys=keys[3:]),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer2.slots(1, 4), keys=keys),
+        ]
+    )
+    assert got == {"kv": [True] * 4, "mamba": [True], "indexer": [True] * 4}
+    assert kv2.same_pages(kv, 2, 0, 4)
+    assert all(sgl.torch.equal(a, b) for a, b in zip(mamba2.rows(6, 1), mamba.rows(3, 1), strict=True))
+    assert all(sgl.torch.equal(a, b) for a, b in zip(indexer2.rows(1, 4), indexer.rows(0, 4), strict=True))
+
+
+def test_v2_a_missing_side_page_cuts_the_prefix(sgl: SimpleNamespace, backends: Backends) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # type: ignore[import-untyped]
+
+    keys = hashes(4, seed=43)
+    writer, kv, mamba, indexer = hybrid_backend(sgl, backends, seed=6, model="org/hybrid-cut")
+    # the indexer lacks page 2 (index 2): an ALL_PAGES pool stops the prefix before it
+    writer.batch_set_v2(
+        [
+            PoolTransfer(PoolName.KV, host_indices=kv.pages(0, 4), keys=keys),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer.slots(0, 2), keys=keys[:2]),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer.slots(3, 1), keys=keys[3:]),
+            PoolTransfer(PoolName.MAMBA, host_indices=mamba.slots(1, 1), keys=keys[1:2]),
+        ]
+    )
+    found = writer.batch_exists_v2(
+        keys, [PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    )
+    assert found.kv_hit_pages == 2
+    assert found.restorable_prefix_pages == [1, 2]
+    both = writer.batch_exists_v2(
+        keys,
+        [
+            PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        ],
+    )
+    # Mamba state exists at page 2's boundary only; with the indexer's [1, 2] that leaves 2.
+    assert both.kv_hit_pages == 2
+    assert both.restorable_prefix_pages == [2]
+    # an unregistered or empty transfer fails its pages instead of raising
+    assert writer.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=indexer.slots(0, 1), keys=keys[:1])]) == {
+        "swa": [False]
+    }
+
+
+# ------------------------------------------------------------------------- mixed TP: tp_lcm_size
+class FakePageHeadPool:
+    """SGLang's MHA host pool with the page_head layout, ``[2, pages, heads, page, layers, dim]``, with the
+    pointer arithmetic of ``get_page_buffer_meta`` and ``get_split_heads_page_buffer_meta`` (pool_host/mha.py)."""
+
+    layout = "page_head"
+
+    def __init__(self, torch: Any, pages: int, heads: int, data: Any = None) -> None:
+        self.torch = torch
+        self.page_size, self.layer_num, self.head_num, self.head_dim = PAGE, LAYERS, heads, DIM
+        self.dtype = torch.bfloat16
+        self.size = pages * PAGE
+        dims = (2, pages, heads, PAGE, LAYERS, DIM)
+        self.kv_buffer = data.contiguous() if data is not None else torch.zeros(dims, dtype=self.dtype)
+
+    def _head_bytes(self) -> int:
+        return int(self.page_size * self.layer_num * self.head_dim * self.dtype.itemsize)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        base, v_offset = self.kv_buffer.data_ptr(), self.kv_buffer[0].numel() * self.dtype.itemsize
+        ptrs: list[int] = []
+        for i in range(0, len(indices), self.page_size):
+            k = base + int(indices[i]) * self.head_num * self.layer_num * self.head_dim * self.dtype.itemsize
+            ptrs += [k, k + v_offset]
+        return ptrs, [self.head_num * self._head_bytes()] * len(ptrs)
+
+    def get_split_heads_page_buffer_meta(self, indices: Any, split_factor: int) -> tuple[list[int], list[int]]:
+        base, v_offset = self.kv_buffer.data_ptr(), self.kv_buffer[0].numel() * self.dtype.itemsize
+        step = self.head_num // split_factor
+        ptrs: list[int] = []
+        for i in range(0, len(indices), self.page_size):
+            page = base + int(indices[i]) * self.head_num * self.layer_num * self.head_dim * self.dtype.itemsize
+            for head in range(0, self.head_num, step):
+                k = page + head * self._head_bytes()
+                ptrs += [k, k + v_offset]
+        return ptrs, [step * self._head_bytes()] * len(ptrs)
+
+
+def test_mixed_tp_instances_share_pages_through_tp_lcm_size(sgl: SimpleNamespace, backends: Backends) -> None:
+    t = sgl.torch
+    keys = hashes(3, seed=51)
+    data = t.randn((2, 3, 2, PAGE, LAYERS, DIM), generator=t.Generator().manual_seed(9)).to(t.bfloat16)
+    # TP2 rank 0 holds KV heads 0-1 of 4; with tp_lcm_size 4 it stores them as the shards of TP4 ranks 0, 1
+    tp2 = backends("org/mixed", tp_rank=0, tp_size=2, tp_lcm_size=4, should_split_heads=True)
+    tp2.register_mem_pool_host(FakePageHeadPool(t, 3, heads=2, data=data))
+    assert tp2.batch_set_v1(keys, t.arange(0, 3 * PAGE)) == [True] * 3
+    for rank in (0, 1):
+        tp4 = backends("org/mixed", tp_rank=rank, tp_size=4, tp_lcm_size=4, should_split_heads=False)
+        host = FakePageHeadPool(t, 3, heads=1)
+        tp4.register_mem_pool_host(host)
+        assert tp4.batch_exists(keys) == 3
+        assert tp4.batch_get_v1(keys, t.arange(0, 3 * PAGE)) == [True] * 3
+        assert t.equal(host.kv_buffer[:, :, 0], data[:, :, rank])  # its own head, from the TP2 writer
+    # TP4 rank 2's heads were never written (they belong to TP2 rank 1): no false hit
+    other = backends("org/mixed", tp_rank=2, tp_size=4, tp_lcm_size=4, should_split_heads=False)
+    other.register_mem_pool_host(FakePageHeadPool(t, 3, heads=1))
+    assert other.batch_exists(keys) == 0

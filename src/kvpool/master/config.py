@@ -84,6 +84,13 @@ class MasterConfig:
     tier_task_timeout_s: float = option(
         30.0, "A demote/promote task not reported done after this long is abandoned.", parse=parse_duration
     )
+    # KV events for routers (master/kv_events.py; needs kvpool[kv-events])
+    kv_events: str = option(
+        "",
+        "Publish stored/removed pages as SGLang KV events (ZMQ PUB, medium EXTERNAL) on this endpoint, "
+        "e.g. tcp://*:5557. Empty = off.",
+    )
+    kv_events_page_size: int = option(0, "block_size written into the BlockStored events (the engines' page size).")
 
     def __post_init__(self) -> None:
         if not 0 < self.eviction_target <= self.eviction_high_watermark <= 1.0:

@@ -16,6 +16,12 @@ log = get_logger(__name__)
 
 async def _serve(config: MasterConfig, ready_file: str) -> None:
     server = MasterServer(config)
+    events = None
+    if config.kv_events:
+        from kvpool.master.kv_events import KvEventPublisher, KvEventsConfig
+
+        events = KvEventPublisher(KvEventsConfig(config.kv_events, page_size=config.kv_events_page_size)).start()
+        server.state.on_change = events.record
     ha = None
     if config.etcd:
         from kvpool.master.ha import HaCoordinator
@@ -35,6 +41,8 @@ async def _serve(config: MasterConfig, ready_file: str) -> None:
     if ha is not None:
         await ha.stop()
     await server.stop()
+    if events is not None:
+        events.stop()
 
 
 def serve(config: MasterConfig, ready_file: str = "") -> int:

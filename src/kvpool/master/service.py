@@ -675,7 +675,9 @@ class MasterServer:
 
     def reset_state(self) -> None:
         """Forget the whole index (a deposed leader): a later leadership rebuilds it from the stores."""
+        listener = self.state.on_change  # the KV-event publisher (master/kv_events.py) stays attached
         self.state = MasterState(self.config)
+        self.state.on_change = listener
         self.handlers.state = self.state
         self.handlers.collector.state = self.state
         self._maintenance.state = self.state

@@ -199,6 +199,9 @@ class MasterState:
         self.tiers = TierManager(
             config, clock, self._shards, self._stripes, self._table, self._free_ranges, self._quarantine.hold
         )
+        # Listener of objects that became readable / were dropped: (stored keys, removed keys). Called
+        # outside the shard locks; it must not block (master/kv_events.py only enqueues).
+        self.on_change: Callable[[Sequence[str], Sequence[str]], None] | None = None
 
     @property
     def config(self) -> MasterConfig:
@@ -442,6 +445,8 @@ class MasterState:
         nshards = len(shards)
         codes: list[ErrorCode] = []
         done = 0
+        listener = self.on_change
+        visible: list[str] = []
         for key, checksum in zip(keys, checksums, strict=True):
             try:
                 kb = key.encode()
@@ -471,7 +476,11 @@ class MasterState:
                     del shard.processing[key]
                     done += 1
                     code = _OK
+                    if listener is not None:
+                        visible.append(key)
             codes.append(code)
+        if visible and listener is not None:
+            listener(visible, ())
         if done:
             with self._stats_lock:
                 self._puts += done
@@ -1113,6 +1122,8 @@ class MasterState:
                 shard.processing.pop(key, None)
                 ranges = self._ranges_of(meta)
             self._free_ranges(ranges)
+        if self.on_change is not None and meta.flags & _READABLE_MASK:
+            self.on_change((), (key,))
         return meta
 
     def _ranges_of(self, meta: ObjectMeta) -> list[Range]:
@@ -1280,6 +1291,8 @@ class MasterState:
                     del objects[key]
                     shard.processing.pop(key, None)
                 dropped += len(doomed)
+            if doomed and self.on_change is not None:
+                self.on_change((), doomed)
         return dropped
 
     def _adopt(self, segment: Segment, inventory: Iterable[InventoryItem], now: float) -> tuple[int, int]:

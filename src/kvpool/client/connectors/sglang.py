@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch  # type: ignore[import-not-found,unused-ignore]
@@ -46,9 +46,17 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
     HiCacheStorageExtraInfo,
 )
 
+try:  # the v2 (hybrid-model) types; an older SGLang has only v1 and never calls the v2 methods
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        PoolHitPolicy,
+        PoolTransferResult,
+    )
+except ImportError:  # pragma: no cover - SGLang before v2
+    PoolHitPolicy = PoolTransferResult = None
+
 from kvpool.client.config import ClientConfig
+from kvpool.client.connectors import base
 from kvpool.client.pool_client import PoolClient, ptr_view
-from kvpool.common import envs
 from kvpool.common.keys import Namespace
 from kvpool.common.log import get_logger
 
@@ -71,38 +79,14 @@ class _FallbackStorageMetrics:
     backup_bandwidth: list[float] = field(default_factory=list)
 
 
-def _clean(part: str) -> str:
-    """A namespace component without ``/`` and ``_``: ``_`` separates the components of a key."""
-    return part.replace("/", "-").replace("_", "-")
+# Shared with the vLLM and LMCache connectors (kvpool.client.connectors.base).
+_clean = base.clean
+_config_value = base.config_value
+_typed = base.typed
 
-
-def _config_value(extra: dict[str, Any], name: str, default: Any) -> Any:
-    value = extra.get(name)
-    return default if value is None or value == "" else value
-
-
-def _typed(extra: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    """extra_config[name] as ``kind`` (a JSON config may give numbers as strings); a value that is not
-    one is a ValueError naming the key, raised while SGLang starts."""
-    value = _config_value(extra, name, default)
-    if kind is bool and not isinstance(value, bool):
-        return str(value).strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        wanted = {int: "a whole number", float: "a number"}.get(kind, kind.__name__)
-        raise ValueError(f"kvpool extra_config {name}={value!r} is not {wanted}") from None
-
-
-# extra_config keys read by this backend, by type (documented in docs/sglang.md)
-_STR_KEYS = ("token_file", "cluster")
-_INT_KEYS = ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries")
-_BOOL_KEYS = ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes")
-_KNOWN_KEYS = frozenset(
-    {"master", "timeout_s", "lookup_timeout_s", "tag", *_STR_KEYS, *_INT_KEYS, *_BOOL_KEYS}
-    # SGLang's own keys that it leaves in extra_config: the dynamic-backend triple and the v1 switch
-    | {"backend_name", "module_path", "class_name", "interface_v1"}
-)
+# extra_config keys read by this backend (documented in docs/sglang.md): the common ones, plus
+# SGLang's own keys that it leaves in extra_config: the dynamic-backend triple and the v1 switch
+_KNOWN_KEYS = base.COMMON_KEYS | {"backend_name", "module_path", "class_name", "interface_v1"}
 
 
 class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
@@ -122,17 +106,21 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.mem_pool_host: Any = None
         self.layout = _DEFAULT_LAYOUT
         self._user_tag = _clean(str(_config_value(extra, "tag", "")))
+        # Mixed TP (tp_lcm_size): a rank stores its heads as split_factor shards keyed by their rank in a
+        # TP of tp_lcm_size, so instances of every TP size dividing tp_lcm_size share pages.
+        lcm = int(storage_config.tp_lcm_size or 0)
+        self.split_factor = 1
+        self._lcm_tp = lcm if lcm and not storage_config.is_mla_model else 0
+        if storage_config.should_split_heads and self._lcm_tp and lcm % storage_config.tp_size == 0:
+            self.split_factor = lcm // storage_config.tp_size
         self.namespace = self._namespace(_DEFAULT_LAYOUT)
-        self.per_page = len(self.namespace.object_keys("0" * 64))
+        self._shards = self._shard_namespaces()
+        self.per_page = len(self.namespace.object_keys("0" * 64)) * self.split_factor
         self.pool = PoolClient(config=self._client_config(extra))
+        self._side_per_page: dict[str, int] = {}  # side pool name -> objects per page (v2)
         self._stats_lock = threading.Lock()
         self._stats = _FallbackStorageMetrics()
         self._enable_stats = bool(storage_config.enable_storage_metrics)
-        if storage_config.should_split_heads:
-            log.warning(
-                "kvpool: tp_lcm_size head splitting is not supported; pages are keyed per TP rank "
-                "and TP size, so instances of different TP sizes do not share"
-            )
         log.info(
             "kvpool HiCache backend: master %s, namespace prefix %r, %s, writer=%s",
             self.pool.config.master,
@@ -146,24 +134,13 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     @staticmethod
     def _client_config(extra: dict[str, Any]) -> ClientConfig:
         """The client's config from extra_config, built in one go so that ClientConfig's own checks run."""
-        values: dict[str, Any] = {
-            "master": str(_config_value(extra, "master", envs.KVPOOL_MASTER.get())),
-            "timeout_s": _typed(extra, "timeout_s", float, 5.0),
-        }
-        for names, kind in ((_STR_KEYS, str), (_INT_KEYS, int), (_BOOL_KEYS, bool)):
-            values.update(
-                {name: _typed(extra, name, kind) for name in names if _config_value(extra, name, None) is not None}
-            )
-        try:
-            return ClientConfig(**values)
-        except ValueError as exc:
-            raise ValueError(f"kvpool extra_config: {exc}") from None
+        return base.client_config(extra)
 
     def _namespace(self, layout: str) -> Namespace:
         cfg = self.storage_config
         parts = [self._user_tag]
         if not cfg.is_mla_model:
-            parts.append(f"tp{cfg.tp_size}")
+            parts.append(f"tp{self._lcm_tp or cfg.tp_size}")
         if layout != _DEFAULT_LAYOUT:
             parts.append(_clean(layout))
         if cfg.attn_cp_size > 1:
@@ -183,6 +160,11 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         super().register_mem_pool_host(mem_pool_host)
         self.layout = str(getattr(mem_pool_host, "layout", _DEFAULT_LAYOUT))
         self.namespace = self._namespace(self.layout)
+        self._shards = self._shard_namespaces()
+        if self.split_factor > 1 and self.layout != "page_head":
+            raise ValueError(
+                f"kvpool: tp_lcm_size head splitting needs --hicache-mem-layout page_head, not {self.layout}"
+            )
         if self.layout not in _V1_LAYOUTS:
             log.warning(
                 "kvpool: host layout %s has no per-object pointers: pages go through flat copies "
@@ -198,9 +180,16 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     # --- keys ----------------------------------------------------------------------------------------
 
-    def _object_keys(self, keys: list[str]) -> list[str]:
+    def _shard_namespaces(self) -> list[Namespace]:
+        """One namespace per head shard this rank stores: its own, or with head splitting the
+        ``split_factor`` ranks it covers in a TP of ``tp_lcm_size`` (SGLang's pointer order)."""
         ns = self.namespace
-        return [key for page in keys for key in ns.object_keys(page)]
+        first = ns.tp_rank * self.split_factor
+        return [replace(ns, tp_rank=first + i) for i in range(self.split_factor)] if self.split_factor > 1 else [ns]
+
+    def _object_keys(self, keys: list[str]) -> list[str]:
+        shards = self._shards
+        return [key for page in keys for ns in shards for key in ns.object_keys(page)]
 
     def _pages_ok(self, codes: list[int], want: list[int]) -> list[bool]:
         """Per page: did every object of the page get ``want`` (bytes read, or 0 for puts)?"""
@@ -222,7 +211,10 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     # --- zero-copy path ------------------------------------------------------------------------------
 
     def _page_meta(self, keys: list[str], host_indices: Any) -> tuple[list[int], list[int]] | None:
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if self.split_factor > 1:
+            ptrs, sizes = self.mem_pool_host.get_split_heads_page_buffer_meta(host_indices, self.split_factor)
+        else:
+            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(keys) * self.per_page:
             log.error(
                 "kvpool: %d pointers for %d pages (layout %s); expected %d per page",
@@ -325,6 +317,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         """Read pages into flat page tensors (allocated from the host pool when not given); None = miss."""
         if not keys:
             return []
+        if self.split_factor > 1:  # flat pages are not in head-shard order: only the v1 path splits heads
+            log.error("kvpool: tp_lcm_size head splitting needs interface_v1; the flat-page get is refused")
+            return [None] * len(keys)
         targets = (
             list(target_locations)
             if target_locations is not None
@@ -348,6 +343,9 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return True
         if not self.is_writer:
             return True
+        if self.split_factor > 1:
+            log.error("kvpool: tp_lcm_size head splitting needs interface_v1; the flat-page set is refused")
+            return False
         if values is None or len(values) != len(keys):
             return False
         pages = [p.contiguous() for p in values]  # keep the contiguous copies alive during the put
@@ -360,6 +358,105 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
+
+    # --- v2: hybrid models' side pools (Mamba/SSM state, SWA, DSA indexer, draft, DeepSeek-V4) -------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Remember a side pool by name; its pages go through its own ``get_page_buffer_meta``."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) == "kv":
+            return  # the anchor: registered through register_mem_pool_host
+        self._side_per_page[str(host_pool_name)] = _objects_per_page(host_pool)
+        buffer = getattr(host_pool, "kv_buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.numel():
+            try:
+                self.pool.register_buffer(ptr_view(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+            except Exception as exc:
+                log.warning("kvpool: could not register the %s host buffer: %s", host_pool_name, exc)
+
+    def _side_keys(self, name: str, pages: list[str], per_page: int) -> list[str]:
+        """Objects of a side pool's pages: ``<prefix><hash>_<rank>_<pool>_<j>``, j < objects per page."""
+        ns = self.namespace
+        return [f"{ns.prefix}{page}_{ns.rank_suffix}_{_clean(name)}_{j}" for page in pages for j in range(per_page)]
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
+        """The KV prefix, cut to the stop points every side pool can serve (SGLang's fold semantics:
+        ALL_PAGES needs every page, TRAILING_PAGES the window before the stop point; BLOCK_GROUPS reports
+        its leading whole groups and never gates the KV hit). One lookup for the KV pages, one for all
+        side-pool objects."""
+        kv_pages = len(keys) if self._logical_anchor() else self.batch_exists(keys, extra_info)
+        hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        transfers = [t for t in pool_transfers or [] if str(t.name) != "kv"]
+        if not restorable or not transfers:
+            return PoolTransferResult(kv_pages, hit_count, restorable)
+        spans: list[tuple[Any, int, int, int]] = []
+        objects: list[str] = []
+        for transfer in transfers:
+            per_page = self._side_per_page.get(str(transfer.name), 1)
+            start = len(objects)
+            objects += self._side_keys(str(transfer.name), keys[:kv_pages], per_page)
+            spans.append((transfer, per_page, start, len(objects)))
+        exists = self.pool.batch_exists(objects, timeout=self.lookup_timeout_s)
+        for transfer, per_page, start, end in spans:
+            found = exists[start:end]
+            present = [all(e == 1 for e in found[i * per_page : (i + 1) * per_page]) for i in range(kv_pages)]
+            boundary, stops = _pool_stops(transfer, present)
+            if boundary:
+                hit_count[str(transfer.name)] = boundary
+            if stops is not None:
+                restorable = [p for p in restorable if p in stops]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._batch_io_v2(transfers, extra_info, write=False)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._batch_io_v2(transfers, extra_info, write=True)
+
+    def _batch_io_v2(self, transfers: list[Any], extra_info: Any, write: bool) -> dict[str, list[bool]]:
+        """KV through the v1 path; every side pool's pages in one batched pool call."""
+        results: dict[str, list[bool]] = {}
+        spans: list[tuple[str, int, int, int]] = []
+        objects: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for transfer in transfers:
+            name, keys = str(transfer.name), list(transfer.keys or [])
+            if name == "kv":
+                io = self.batch_set_v1 if write else self.batch_get_v1
+                results[name] = io(keys, transfer.host_indices, extra_info)
+                continue
+            pool = self.registered_pools.get(transfer.name) if hasattr(self, "registered_pools") else None
+            if pool is None or not keys:
+                results[name] = [False] * len(keys)
+                continue
+            if write and not self.is_writer:
+                results[name] = [True] * len(keys)  # MLA: the writer rank stores the one shared copy
+                continue
+            pool_ptrs, pool_sizes = pool.get_page_buffer_meta(transfer.host_indices)
+            per_page = len(pool_ptrs) // len(keys)
+            if per_page < 1 or per_page * len(keys) != len(pool_ptrs):
+                log.error("kvpool: pool %s: %d pointers for %d pages", name, len(pool_ptrs), len(keys))
+                results[name] = [False] * len(keys)
+                continue
+            start = len(objects)
+            objects += self._side_keys(name, keys, per_page)
+            ptrs += [int(p) for p in pool_ptrs]
+            sizes += [int(z) for z in pool_sizes]
+            spans.append((name, per_page, start, len(objects)))
+        if not objects:
+            return results
+        if write:
+            codes = self._put_missing(objects, [ptr_view(p, z) for p, z in zip(ptrs, sizes, strict=True)])
+            want = [0] * len(codes)
+        else:
+            codes = self.pool.batch_get_into_ptrs(objects, ptrs, sizes, timeout=self.timeout_s)
+            want = sizes
+        for name, per_page, start, end in spans:
+            ok = [codes[j] == want[j] for j in range(start, end)]
+            results[name] = [all(ok[i : i + per_page]) for i in range(0, len(ok), per_page)]
+        return results
 
     # --- admin ---------------------------------------------------------------------------------------
 
@@ -403,6 +500,31 @@ class KvPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _objects_per_page(host_pool: Any) -> int:
+    """Objects per page of a host pool: the pointers its ``get_page_buffer_meta`` gives for one page."""
+    page = int(getattr(host_pool, "page_size", 1) or 1)
+    try:
+        ptrs, _ = host_pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+        return max(1, len(ptrs))
+    except Exception:  # a pool without pointers for slot 0: its first transfer tells
+        return 1
+
+
+def _pool_stops(transfer: Any, present: list[bool]) -> tuple[int, set[int] | None]:
+    """(pages this pool reports, the KV stop points it allows; None = it does not gate the KV hit)."""
+    n = len(present)
+    policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
+    if policy == "trailing_pages":
+        window = max(1, len(transfer.keys) if transfer.keys else 1)
+        stops = {end for end in range(1, n + 1) if all(present[max(0, end - window) : end])}
+        return (max(stops) if stops else 0), stops
+    leading = next((i for i, p in enumerate(present) if not p), n)
+    if policy == "block_groups":
+        group = max(1, int(getattr(transfer, "group_pages", 0) or 1))
+        return leading // group * group, None
+    return leading, set(range(1, leading + 1))  # all_pages
 
 
 def _leading(ok: list[bool]) -> int:
