@@ -90,13 +90,26 @@ def test_more_gpus_or_mfu_divide_the_compute_time() -> None:
 def test_remote_hits_pay_the_fetch_at_the_tier_rates_and_arrivals_scale() -> None:
     trace = [_req(2000, 1024)]
     outcome = CacheOutcome(hit_tokens=(1024,), ssd_tokens=(512,), remote=True)
-    rates = FetchRates(dram_bytes_per_s=1000.0, ssd_bytes_per_s=100.0)
+    rates = FetchRates(dram_bytes_per_s=1e9, ssd_bytes_per_s=1e8)
     (job,) = build_jobs(trace, [3], outcome, TOY, rates, rate_scale=2.0)
     assert job.arrival_s == pytest.approx(1.0)  # 2 s / 2
     assert job.instance == 3
-    # 1023 reusable tokens: 512 from SSD (512 x 100 B / 100 B/s), 511 from DRAM (511 x 100 B / 1000 B/s)
-    assert job.fetch_s == pytest.approx(512.0 + 51.1)
+    # 1023 reusable tokens: 512 from SSD (512 x 100 B / 1e8 B/s), 511 from DRAM (511 x 100 B / 1e9 B/s)
+    assert job.fetch_s == pytest.approx(512e-6 + 51.1e-6)
     assert job.prefill_s == pytest.approx(TOY.prefill_seconds(1024, 1023))
+
+
+def test_a_fetch_slower_than_recomputing_is_not_used() -> None:
+    trace = [_req(0, 1024)]
+    outcome = CacheOutcome(hit_tokens=(1024,), ssd_tokens=(0,), remote=True)
+    # 1023 x 100 B at 1e4 B/s = 10.23 s to fetch; recomputing 1023 tokens saves about 2e9 x 1023 / 5e11 = 4.09 s
+    (slow,) = build_jobs(trace, [0], outcome, TOY, FetchRates(1e4, 1e4), 1.0)
+    assert slow.fetch_s == 0.0
+    assert slow.prefill_s == pytest.approx(TOY.prefill_seconds(1024, 0))
+    # at 1e5 B/s the fetch takes 1.023 s, less than it saves: used
+    (fast,) = build_jobs(trace, [0], outcome, TOY, FetchRates(1e5, 1e5), 1.0)
+    assert fast.fetch_s == pytest.approx(1.023)
+    assert fast.prefill_s == pytest.approx(TOY.prefill_seconds(1024, 1023))
 
 
 def test_local_hits_cost_no_fetch_and_bad_rate_scale_is_refused() -> None:

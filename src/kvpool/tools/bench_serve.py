@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_TRACE", "PoolRun", "add_arguments", "parse_rate_scales", "ru
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "synthetic_trace.jsonl"
 """The synthetic Mooncake trace shipped in the repository."""
-DEFAULT_RATE_SCALES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+DEFAULT_RATE_SCALES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 DEFAULT_CAPACITY = 10_000_000
 PROBE_OBJECTS = 8
 """Objects per rate probe; the DRAM probe reads them all ``PROBE_REPEATS`` times, the SSD probe reads each
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_rate_scales,
         default=list(DEFAULT_RATE_SCALES),
         metavar="X,...",
-        help="arrival-rate factors: timestamps are divided by each (0.5,1,1.5,2,3,4,6,8)",
+        help="arrival-rate factors: timestamps are divided by each (0.25 to 8)",
     )
     parser.add_argument("--limit-requests", type=positive_int, default=None, metavar="K", help="first K requests")
     parser.add_argument("--block-bytes", type=positive_int, default=4096, help="bytes per block object (4096)")

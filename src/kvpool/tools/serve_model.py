@@ -13,9 +13,9 @@ hit still computes the last prompt token (an engine needs its logits), so ``c <=
 
 Queueing (``simulate``): each request has an instance, an arrival time, a ready time (arrival + the time to
 fetch its reused KV, which the engine's prefetch starts on arrival and so overlaps with the wait in the
-queue) and a prefill time. An idle instance starts, among its requests that are ready, the one that arrived
-first (SGLang skips a waiting request whose prefetch is not done and schedules the next). TTFT = end of
-the prefill - arrival.
+queue; a remote hit slower to fetch than to recompute is not used) and a prefill time. An idle instance
+starts, among its requests that are ready, the one that arrived first (SGLang skips a waiting request whose
+prefetch is not done and schedules the next). TTFT = end of the prefill - arrival.
 """
 
 from __future__ import annotations
@@ -217,7 +217,10 @@ def build_jobs(
     rate_scale: float,
 ) -> list[Job]:
     """The jobs of one configuration at one rate: arrivals ``timestamp / rate_scale``; a remote hit costs the
-    fetch of its reusable tokens' KV (the SSD part at the SSD rate, the part before it at the DRAM rate)."""
+    fetch of its reusable tokens' KV (the SSD part at the SSD rate, the part before it at the DRAM rate).
+
+    A remote hit whose fetch would take longer than the compute it saves is not used (the request is
+    prefilled from scratch): an engine that knows its link's rate does not wait for a slower fetch."""
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     kv = profile.kv_bytes_per_token
@@ -228,6 +231,9 @@ def build_jobs(
         if outcome.remote and reused:
             ssd = min(outcome.ssd_tokens[i], reused)
             fetch_s = rates.fetch_seconds((reused - ssd) * kv, ssd * kv)
+            saved_s = profile.prefill_seconds(req.input_length, 0) - profile.prefill_seconds(req.input_length, reused)
+            if fetch_s >= saved_s:
+                reused, fetch_s = 0, 0.0
         arrival = req.timestamp / 1000.0 / rate_scale
         jobs.append(Job(arrival, routes[i], fetch_s, profile.prefill_seconds(req.input_length, reused)))
     return jobs
