@@ -84,3 +84,11 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "p.png"
     assert write_plot(_report(), str(out), io.StringIO())
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_refused_before_any_cluster_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench_serve.importlib.util, "find_spec", lambda name: None)  # as without matplotlib
+    assert bench_serve.run(_args("--plot", str(tmp_path / "p.png"))) == 2
+    assert "kvpool[plot]" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -300,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
     if not trace:
         print(f"kvpool bench serve: {args.trace} holds no requests", file=err)
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("kvpool bench serve: --plot needs matplotlib (pip install 'kvpool[plot]')", file=err)
+        return 2
     started = time.perf_counter()
     base_routes = route_all(trace, make_router(args.routing, args.instances, args.seed))
     prefix_routes = route_all(trace, make_router("prefix", args.instances))
@@ -311,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a capacity the local cluster cannot be sized for
         print(f"kvpool bench serve: {exc}", file=err)
         return 2
+    except (RuntimeError, TimeoutError) as exc:  # a cluster that did not start, a refused or wrong probe
+        print(f"kvpool bench serve: the pool run failed: {exc}", file=err)
+        return 1
     measured = FetchRates(pool.rate_bytes_per_s, pool_ssd.rate_bytes_per_s)
     rates = measured if args.fetch_gbs is None else FetchRates(args.fetch_gbs * 1e9, args.fetch_gbs * 1e9)
     routes = {c: (prefix_routes if c == "prefix_private" else base_routes) for c in CONFIGS}
