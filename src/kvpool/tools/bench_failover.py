@@ -176,7 +176,8 @@ class Workload:
 
     def sample(self, acked_before: float, size: int) -> list[str]:
         """Up to ``size`` random keys among those acked before ``acked_before``."""
-        keys = [k for k, (t, _) in self.acked.items() if t < acked_before]
+        with self._lock:  # the writer thread may be adding keys
+            keys = [k for k, (t, _) in self.acked.items() if t < acked_before]
         return random.Random(0).sample(keys, min(size, len(keys)))
 
     def verify_until(self, acked_before: float, fraction: float, timeout: float) -> tuple[int, int, int]:
@@ -344,8 +345,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.tools.local_cluster import LocalCluster
 
     results = []
-    # Room for the objects twice over (allocation granularity, the live writer) on two stores, 64 MiB at least.
-    store_mib = max(64, -(-args.objects * max(args.value_bytes, 4096) // (1 << 20)))
+    # Each of the two stores could hold all the objects (64-byte allocation granularity), plus room for the
+    # live writer: no eviction during the run. 64 MiB at least.
+    per_store = args.objects * -(-args.value_bytes // 64) * 64
+    store_mib = max(64, -(-per_store // (1 << 20)) + 32)
     for i in range(args.runs):
         with LocalCluster(
             stores=2, store_size=f"{store_mib}MiB", ha=True, master_args=("--leader-ttl-s", str(args.leader_ttl_s))
