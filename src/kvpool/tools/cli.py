@@ -48,6 +48,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "client processes, mixed checked workload, a store restart: errors, RSS",
     ),
 }
+BENCHES["serve"] = (
+    "kvpool.tools.bench_serve",
+    "replay a trace over N prefill instances: TTFT and goodput under an SLO, no cache/private/pool",
+)
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
