@@ -58,6 +58,17 @@ KVPOOL_TEST_RDMA_DEVICE = EnvVar(
 )
 KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
 KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
+# RDMA (docs/rdma.md)
+KVPOOL_VERBS = EnvVar(
+    "KVPOOL_VERBS",
+    "",
+    "Verbs provider: empty = pyverbs (real NICs); fake = the cross-process FAKE NIC for tests (in every process).",
+)
+KVPOOL_FAKE_VERBS_DIR = EnvVar(
+    "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
+)
+KVPOOL_RDMA_DEVICE = EnvVar("KVPOOL_RDMA_DEVICE", "", "Store RDMA devices: auto, off, or NAME[,NAME...].")
+KVPOOL_TEST_CUDA = EnvVar("KVPOOL_TEST_CUDA", False, "Run the opt-in GPU-memory RDMA test (needs a GPU and a NIC).")
 
 ALL: list[EnvVar[Any]] = [
     KVPOOL_MASTER,
@@ -71,6 +82,10 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_TEST_RDMA_DEVICE,
     KVPOOL_NODE,
     KVPOOL_DISABLE_SHM,
+    KVPOOL_VERBS,
+    KVPOOL_FAKE_VERBS_DIR,
+    KVPOOL_RDMA_DEVICE,
+    KVPOOL_TEST_CUDA,
 ]
 
 

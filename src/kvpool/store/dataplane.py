@@ -67,6 +67,8 @@ from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
+from kvpool.transfer.rdma_responder import RdmaResponder
+from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD
 from kvpool.transfer.tcp import (
     FrameReader,
     Spinner,
@@ -176,8 +178,11 @@ class DataPlaneServer:
         limits: ClientLimits | None = None,
         spin_us: int = 0,
         read_sendfile: bool = False,
+        rdma: RdmaResponder | None = None,
     ) -> None:
         self.host = host
+        self.rdma = rdma
+        """Answers RDMA_CONNECT (one-sided RDMA to the segments, docs/rdma.md); None: clients use TCP."""
         self.port = port
         self._inventory = inventory
         self._max_connections = max_connections
@@ -266,6 +271,17 @@ class DataPlaneServer:
             self._segments = {k: v for k, v in self._segments.items() if k != segment_id}
             self._secrets = {k: v for k, v in self._secrets.items() if k != segment_id}
             self._max_part = max((s.size for s in self._segments.values()), default=0)
+        self._cut_off_rdma(segment_id)
+
+    def _cut_off_rdma(self, segment_id: int) -> None:
+        """The QPs admitted to a removed segment die, and their control connections close."""
+        if self.rdma is None:
+            return
+        victims = set(self.rdma.remove_segment(segment_id))
+        with self._lock:
+            conns = [c for c in self._conns if c in victims]
+        for conn in conns:
+            _shutdown(conn.sock)
 
     # ------------------------------------------------------------------ metrics
     def statistics(self) -> DataPlaneStats:
@@ -355,6 +371,8 @@ class DataPlaneServer:
         except Exception:
             logger.exception("data plane: error serving %s", conn.peer)
         finally:
+            if self.rdma is not None:
+                self.rdma.release(conn)  # the QPs admitted on this connection die with it
             sock.close()
             with self._lock:
                 self._conns.discard(conn)
@@ -395,6 +413,8 @@ class DataPlaneServer:
                 self._send_info(conn, req_id)
             elif op == Op.RECORD:
                 self._record(conn, reader, req_id, length)
+            elif op == Op.RDMA_CONNECT:
+                self._rdma_connect(conn, reader, req_id, length)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -658,6 +678,22 @@ class DataPlaneServer:
         else:
             conn.stats.error(code)
         self._reply(conn, Op.RECORD, req_id, code)
+
+    def _rdma_connect(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """Admit a client's queue pair to the segments its grants name (docs/rdma.md); the connection then
+        stays open, carrying RECORDs, for the QP's lifetime."""
+        if self.rdma is None:
+            raise _Close(ErrorCode.UNKNOWN_OP, "this store serves no RDMA", req_id, Op.RDMA_CONNECT)
+        if length > MAX_CONNECT_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"RDMA_CONNECT of {length} bytes", req_id, Op.RDMA_CONNECT)
+        payload = bytearray(length)
+        reader.read_into(memoryview(payload))
+        token_verified = self.auth.required and conn.authed
+        code, body = self.rdma.handle_connect(payload, conn_id=conn, token_verified=token_verified)
+        if code != ErrorCode.OK:
+            conn.stats.error(code)
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.RDMA_CONNECT, 0, int(code), req_id, len(body))
+        send_all(conn.sock, header, memoryview(body))
 
     def _check_and_reserve(
         self, conn: _Conn, desc: TransferDesc, revalidate: int = 0

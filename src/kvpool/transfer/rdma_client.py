@@ -4,6 +4,7 @@ and completion handling. The overview is in :mod:`kvpool.transfer.rdma`.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
-from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import Grant, GrantOp
 from kvpool.common.log import get_logger
+from kvpool.proto import frames
 from kvpool.proto.frames import MAX_KEY_BYTES
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 from kvpool.transfer.rdma_memory import Piece, _close_quietly, _LocalMemory, _Registration, plan_pieces
@@ -25,6 +27,7 @@ from kvpool.transfer.rdma_wire import (
     _decode,
     _encode,
     exchange_rdma_connect,
+    fetch_store_info,
     grant_to_json,
     qp_info_from_json,
     qp_info_to_json,
@@ -50,6 +53,8 @@ DEFAULT_SQ_DEPTH = 128
 _POLL_BATCH = 64
 _ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
+_RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
+_RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
 
 # Connect refusals about the request's grants, not about the path to the store: no cooldown for these.
 _REQUEST_REFUSALS = frozenset({ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.SEGMENT_NOT_FOUND})
@@ -92,6 +97,8 @@ class _Batch(TransferBatch):
         self._per_conn: dict[_Connection, int] = {}  # ... and per connection
         self.connections: list[_Connection] = []
         self.temporary: list[_Registration] = []
+        self.writes: list[tuple[int, TransferRequest, _Connection]] = []
+        """WRITE requests, to RECORD with their store once their bytes landed."""
         self._finished = False
 
     def fail(self, index: int, code: ErrorCode) -> None:
@@ -123,11 +130,23 @@ class _Batch(TransferBatch):
     def wait(self, deadline: Deadline) -> list[ErrorCode]:
         if not self._finished:
             self._drive(deadline)
+            self._record_writes(deadline)
             for reg in self.temporary:
                 reg.close()
             self.temporary = []
             self._finished = True
         return list(self.codes)
+
+    def _record_writes(self, deadline: Deadline) -> None:
+        """Tell each store which objects landed by RDMA WRITE (RECORD, checked like a WRITE's grant), so its
+        inventory holds them as if they had come over TCP; a refused RECORD fails the request."""
+        by_conn: dict[_Connection, list[tuple[int, TransferRequest]]] = {}
+        for index, req, conn in self.writes:
+            if self.codes[index] == ErrorCode.OK:
+                by_conn.setdefault(conn, []).append((index, req))
+        for conn, items in by_conn.items():
+            for (index, _), code in zip(items, conn.record([req for _, req in items], deadline), strict=True):
+                self.fail(index, code)
 
     def _drive(self, deadline: Deadline) -> None:
         """Make progress on every connection this batch uses until its work is done or a deadline passes."""
@@ -180,6 +199,7 @@ class _Connection:
             self._regions.setdefault(region.segment_id, []).append(region)
         self._depth = depth
         self._lock = threading.Lock()
+        self._record_lock = threading.Lock()  # one RECORD exchange at a time on the control connection
         self._pending: deque[_Chunk] = deque()
         self._inflight: dict[int, _Chunk] = {}
         self._next_wr = 0
@@ -316,6 +336,36 @@ class _Connection:
             self.broken = self.broken or ErrorCode.SHUTTING_DOWN
             self._release()
 
+    def record(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
+        """Pipeline one RECORD per written object on the control connection; the store's code for each."""
+        out = []
+        for n, req in enumerate(requests):
+            desc = frames.TransferDesc(
+                req.replica.grant(GrantOp.WRITE, req.key), req.write_checksum(), 0, req.replica.length
+            ).pack()
+            out.append(frames.pack_header(frames.Op.RECORD, _RECORD_REQ_BASE + n, len(desc)) + desc)
+        with self._record_lock:
+            sock = self._sock
+            if sock is None:
+                return [self.broken or ErrorCode.CONNECTION_FAILED] * len(requests)
+            try:
+                sock.settimeout(max(0.001, deadline.remaining() or 5.0))
+                sock.sendall(b"".join(out))
+                codes = []
+                for n in range(len(requests)):
+                    head = frames.recv_header(sock)
+                    if head.req_id != _RECORD_REQ_BASE + n or head.length:
+                        raise KvPoolError(ErrorCode.BAD_FRAME, "RECORD answer out of order")
+                    codes.append(as_code(head.status))
+                sock.settimeout(None)
+                return codes
+            except (OSError, KvPoolError) as exc:
+                code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.CONNECTION_FAILED
+                logger.warning("rdma %s: RECORD failed: %s", self.endpoint, exc)
+                with self._lock:
+                    self._break(code, f"RECORD failed: {exc}")
+                return [code] * len(requests)
+
     def _release(self) -> None:
         qp, cq, sock = self._qp, self._cq, self._sock
         self._qp = self._cq = self._sock = None
@@ -324,6 +374,8 @@ class _Connection:
         if cq is not None:
             _close_quietly(cq)
         if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a RECORD exchange blocked on it
             sock.close()  # the store releases its QP when this connection closes
 
 
@@ -337,6 +389,8 @@ class _Peer:
     conn: _Connection | None = None
     down_until: float = 0.0
     failures: int = 0
+    learned_at: float = float("-inf")
+    """When STORE_INFO was last asked (time.monotonic)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -372,7 +426,10 @@ class RdmaTransport(Transport):
         reconnect_cooldown_s: float = 1.0,
         poll_interval_s: float = 0.0005,
         clock: Clock = SYSTEM_CLOCK,
+        discover: bool = False,
     ) -> None:
+        self.discover = discover
+        """Ask unknown stores for STORE_INFO on first sight (else only :meth:`note_store_info` tells)."""
         if device is None:
             devices = verbs.list_devices()
             if not devices:
@@ -419,14 +476,37 @@ class RdmaTransport(Transport):
         peer.segments, peer.rdma = ids, bool(ids)
 
     def can_reach(self, replica: Replica) -> bool:
+        if replica.tier != 0:
+            return False  # SSD-tier objects are read from files by the store: TCP serves them
         with self._lock:
             peer = None if self._closed else self._peers.get(replica.tcp_endpoint)
+        if self.discover and (peer is None or replica.segment_id not in peer.segments):
+            peer = self._learn(replica.tcp_endpoint, peer)
         return (
             peer is not None
             and peer.rdma
             and replica.segment_id in peer.segments
             and time.monotonic() >= peer.down_until
         )
+
+    def _learn(self, endpoint: str, known: _Peer | None) -> _Peer | None:
+        """Ask a store we have not met (or that no longer has the segment we know) whether it serves RDMA."""
+        now = time.monotonic()
+        if known is not None and now - known.learned_at < _RELEARN_S:
+            return known
+        try:
+            peer = self._peer(endpoint)
+        except KvPoolError:
+            return None
+        peer.learned_at = now
+        try:
+            info = fetch_store_info(endpoint, token=self._token, timeout=self.connect_timeout)
+        except KvPoolError as exc:
+            logger.debug("rdma: STORE_INFO from %s failed: %s", endpoint, exc)
+            return peer
+        if not self.note_store_info(endpoint, info):
+            logger.info("store %s serves no RDMA: TCP is used for it", endpoint)
+        return peer
 
     # ---- memory
     def register_memory(self, buffer: memoryview) -> None:
@@ -505,6 +585,7 @@ class RdmaTransport(Transport):
             for index, req, view in items:
                 chunks.extend(self._chunks(index, req, view, conn, batch))
             batch.add_chunks(chunks)
+            batch.writes.extend((index, req, conn) for index, req, _ in items if req.op == GrantOp.WRITE)
             with self._lock:
                 self.stats.work_requests += len(chunks)
                 self.stats.bytes_submitted += sum(c.piece.length for c in chunks)

@@ -138,21 +138,8 @@ def exchange_rdma_connect(
     returned open: the QP lives as long as this connection (the store releases it when the socket closes).
     A refusal raises KvPoolError with the store's code (AUTH_FAILED, GRANT_EXPIRED, NOT_SUPPORTED, ...).
     """
-    from kvpool.transfer.tcp import parse_endpoint
-
-    address = parse_endpoint(endpoint)
+    sock = open_control(endpoint, token=token, timeout=timeout)
     try:
-        sock = socket.create_connection(address, timeout=timeout)
-    except TimeoutError:
-        raise KvPoolError(ErrorCode.TIMEOUT, f"connect to {endpoint}: timed out") from None
-    except OSError as exc:
-        raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"connect to {endpoint}: {exc}") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if token:
-            status, reply = _roundtrip(sock, Op.HELLO, 1, token)
-            if status != ErrorCode.OK:
-                raise KvPoolError(ErrorCode.AUTH_FAILED, f"{endpoint} refused the cluster token: {status.name}")
         status, reply = _roundtrip(sock, Op.RDMA_CONNECT, 2, payload)
         if status != ErrorCode.OK:
             raise KvPoolError(status, f"{endpoint} refused RDMA_CONNECT: {_reason(reply)}")
@@ -167,6 +154,61 @@ def exchange_rdma_connect(
     except BaseException:
         sock.close()
         raise
+
+
+def open_control(endpoint: str, *, token: bytes = b"", timeout: float = 2.0) -> socket.socket:
+    """A framed connection to a store's data-plane port, past the cluster-token handshake (:func:`hello`)."""
+    from kvpool.transfer.tcp import parse_endpoint
+
+    try:
+        sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout)
+    except TimeoutError:
+        raise KvPoolError(ErrorCode.TIMEOUT, f"connect to {endpoint}: timed out") from None
+    except OSError as exc:
+        raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"connect to {endpoint}: {exc}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if token:
+            hello(sock, endpoint, token)
+        return sock
+    except TimeoutError:
+        sock.close()
+        raise KvPoolError(ErrorCode.TIMEOUT, f"HELLO to {endpoint}: timed out") from None
+    except OSError as exc:
+        sock.close()
+        raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"HELLO to {endpoint}: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+def hello(sock: socket.socket, endpoint: str, token: bytes) -> None:
+    """The cluster-token handshake of the RDMA control connection: the one place it happens on this path."""
+    status, _ = _roundtrip(sock, Op.HELLO, 1, token)
+    if status != ErrorCode.OK:
+        raise KvPoolError(ErrorCode.AUTH_FAILED, f"{endpoint} refused the cluster token: {status.name}")
+
+
+def fetch_store_info(endpoint: str, *, token: bytes = b"", timeout: float = 2.0) -> dict[str, Any]:
+    """A store's STORE_INFO (JSON object) over a short-lived control connection."""
+    sock = open_control(endpoint, token=token, timeout=timeout)
+    try:
+        status, reply = _roundtrip(sock, Op.STORE_INFO, 3, b"")
+    except TimeoutError:
+        raise KvPoolError(ErrorCode.TIMEOUT, f"STORE_INFO from {endpoint}: timed out") from None
+    except OSError as exc:
+        raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"STORE_INFO from {endpoint}: {exc}") from None
+    finally:
+        sock.close()
+    if status != ErrorCode.OK:
+        raise KvPoolError(status, f"STORE_INFO from {endpoint}")
+    try:
+        info = json.loads(reply)
+    except ValueError:
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"STORE_INFO from {endpoint} is not JSON") from None
+    if not isinstance(info, dict):
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"STORE_INFO from {endpoint} is not an object")
+    return info
 
 
 def _roundtrip(sock: socket.socket, op: Op, req_id: int, payload: bytes) -> tuple[ErrorCode, bytes]:
