@@ -102,6 +102,10 @@ class TransportSet:
     def transport_names(self) -> list[str]:
         return [t.name for t in self._transports]
 
+    def transport(self, name: str) -> Transport | None:
+        """The transport called ``name`` (benchmarks read its own figures), if this set has one."""
+        return next((t for t in self._transports if t.name == name), None)
+
     def register_memory(self, buffer: memoryview) -> None:
         for transport in self._transports:
             transport.register_memory(buffer)
