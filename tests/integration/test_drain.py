@@ -34,7 +34,6 @@ def _store(cluster: LocalCluster, node: str) -> object:
     return next(p for p in cluster.stores if p.node == node)
 
 
-@pytest.mark.usefixtures("data_path")
 def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = _cluster(make_cluster, ["node-a", "node-b", "node-c"])
     load = Load(cluster.master, VALUE)

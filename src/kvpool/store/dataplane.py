@@ -68,7 +68,7 @@ from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
 from kvpool.transfer.rdma_responder import RdmaResponder
-from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD
+from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, windows_request_from_json
 from kvpool.transfer.tcp import (
     FrameReader,
     Spinner,
@@ -415,6 +415,8 @@ class DataPlaneServer:
                 self._record(conn, reader, req_id, length)
             elif op == Op.RDMA_CONNECT:
                 self._rdma_connect(conn, reader, req_id, length)
+            elif op == Op.RDMA_WINDOWS:
+                self._rdma_windows(conn, reader, req_id, length)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -693,6 +695,41 @@ class DataPlaneServer:
         if code != ErrorCode.OK:
             conn.stats.error(code)
         header = _take_held(conn) + HEADER.pack(MAGIC, Op.RDMA_CONNECT, 0, int(code), req_id, len(body))
+        send_all(conn.sock, header, memoryview(body))
+
+    def _rdma_windows(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """Check each grant exactly as for a TCP request, then bind a memory window over its range to this
+        connection's QP (docs/decisions/0020-rdma-grant-windows.md). A WRITE grant's range is dropped from
+        the inventory now, before any byte lands, as a TCP WRITE does."""
+        if self.rdma is None:
+            raise _Close(ErrorCode.UNKNOWN_OP, "this store serves no RDMA", req_id, Op.RDMA_WINDOWS)
+        if length > MAX_CONNECT_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"RDMA_WINDOWS of {length} bytes", req_id, Op.RDMA_WINDOWS)
+        payload = bytearray(length)
+        reader.read_into(memoryview(payload))
+        try:
+            items = windows_request_from_json(payload)
+        except KvPoolError as exc:
+            raise _Close(exc.code, exc.message, req_id, Op.RDMA_WINDOWS) from None
+        codes: list[ErrorCode] = []
+        for grant, checksum in items:
+            code, seg = self._check(TransferDesc(grant, checksum, 0, grant.length), 0, conn.stats)
+            if seg is not None and grant.op == GrantOp.WRITE:
+                self._inventory.begin_write(grant.segment_id, grant.offset, grant.length, grant.key, checksum)
+            codes.append(code)
+        ok = [grant for (grant, _), code in zip(items, codes, strict=True) if code == ErrorCode.OK]
+        bound = iter(self.rdma.bind_windows(conn, ok))
+        answers = []
+        for code in codes:
+            if code == ErrorCode.OK:
+                code, regions = next(bound)
+            else:
+                regions = []
+            if code != ErrorCode.OK:
+                conn.stats.error(code)
+            answers.append({"code": int(code), "regions": regions})
+        body = json.dumps({"v": 1, "windows": answers}, separators=(",", ":")).encode()
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.RDMA_WINDOWS, 0, 0, req_id, len(body))
         send_all(conn.sock, header, memoryview(body))
 
     def _check_and_reserve(

@@ -81,6 +81,7 @@ def make_responder(
             secrets_by_segment,
             device=devices[0],
             gid_index=gid_index,
+            windows=True,
         )
     except (KvPoolError, VerbsError, ImportError) as exc:
         _no_rdma(f"cannot serve RDMA on {devices[0]}: {exc}")

@@ -22,6 +22,7 @@ from kvpool.proto import frames
 from kvpool.proto.frames import MAX_KEY_BYTES
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 from kvpool.transfer.rdma_memory import Piece, _close_quietly, _LocalMemory, _Registration, plan_pieces
+from kvpool.transfer.rdma_windows import ClientWindows
 from kvpool.transfer.rdma_wire import (
     RemoteRegion,
     _decode,
@@ -53,6 +54,8 @@ DEFAULT_SQ_DEPTH = 128
 _POLL_BATCH = 64
 _ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
+WINDOW_EXPIRY_MARGIN_MS = 1000
+"""A grant with less than this left is not used over RDMA (its window may die mid-batch)."""
 _RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
 _RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
 
@@ -188,9 +191,14 @@ class _Connection:
         regions: list[RemoteRegion],
         writable: bool,
         depth: int,
+        windowed_segments: frozenset[int] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.endpoint = endpoint
         self.writable = writable
+        self.windows = ClientWindows(clock) if windowed_segments is not None else None
+        """Per-grant windows (the store binds one per grant); None: the segments' regions came at connect."""
+        self._windowed_segments = windowed_segments or frozenset()
         self._sock: socket.socket | None = sock
         self._qp: QueuePair | None = qp
         self._cq: CompletionQueue | None = cq
@@ -212,7 +220,26 @@ class _Connection:
 
     # ---- queries
     def covers(self, segment_ids: Iterable[int]) -> bool:
+        if self.windows is not None:
+            return all(s in self._windowed_segments for s in segment_ids)
         return all(s in self._regions for s in segment_ids)
+
+    def window_regions(
+        self, items: Sequence[tuple[Grant, int]], deadline: Deadline
+    ) -> list[tuple[ErrorCode, list[RemoteRegion]]]:
+        """The windows of these (grant, checksum) pairs, asked on the control connection when not cached."""
+        assert self.windows is not None
+        with self._record_lock:
+            sock = self._sock
+            if sock is None:
+                return [(self.broken or ErrorCode.CONNECTION_FAILED, [])] * len(items)
+            try:
+                return self.windows.get(sock, items, max(0.001, deadline.remaining() or 5.0))
+            except (OSError, KvPoolError) as exc:
+                code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.CONNECTION_FAILED
+                with self._lock:
+                    self._break(code, f"RDMA_WINDOWS failed: {exc}")
+                return [(code, [])] * len(items)
 
     def regions(self, segment_id: int) -> list[RemoteRegion]:
         return self._regions.get(segment_id, [])
@@ -488,6 +515,12 @@ class RdmaTransport(Transport):
     def can_reach(self, replica: Replica) -> bool:
         if replica.tier != 0:
             return False  # SSD-tier objects are read from files by the store: TCP serves them
+        if replica.expiry_ms - self._clock.wall_ms() < WINDOW_EXPIRY_MARGIN_MS:
+            # The store invalidates a grant's window when the grant expires, and a work request that hits an
+            # invalidated window kills the QP (and every request on it): a grant this close to its end goes
+            # over TCP, where the store checks it once, at the request. So does a replica without a lease
+            # (expiry 0: a hint the store must revalidate, which only TCP asks it to do).
+            return False
         with self._lock:
             peer = None if self._closed else self._peers.get(replica.tcp_endpoint)
         if self.discover and (peer is None or replica.segment_id not in peer.segments):
@@ -584,8 +617,16 @@ class RdmaTransport(Transport):
         grants: dict[int, Grant] = {}
         for _, req, _ in items:
             seg = req.replica.segment_id
-            if seg not in grants or (req.op == GrantOp.WRITE and grants[seg].op != GrantOp.WRITE):
-                grants[seg] = req.replica.grant(req.op, req.key)
+            # Admission needs one valid grant per segment: the write one where there is a write, else the one
+            # that lives longest (a grant expiring while the QP connects would fail the whole batch).
+            grant = req.replica.grant(req.op, req.key)
+            held = grants.get(seg)
+            if (
+                held is None
+                or (grant.op == GrantOp.WRITE and held.op != GrantOp.WRITE)
+                or (grant.op == held.op and grant.expiry_ms > held.expiry_ms)
+            ):
+                grants[seg] = grant
         need_write = any(req.op == GrantOp.WRITE for _, req, _ in items)
         try:
             peer = self._peer(endpoint)
@@ -602,9 +643,11 @@ class RdmaTransport(Transport):
                 for index, _, _ in items:
                     batch.fail(index, exc.code)
                 return
+            regions = self._regions_for(conn, items, batch)
             chunks: list[_Chunk] = []
-            for index, req, view in items:
-                chunks.extend(self._chunks(index, req, view, conn, batch))
+            for (index, req, view), remote in zip(items, regions, strict=True):
+                if remote is not None:
+                    chunks.extend(self._chunks(index, req, view, conn, batch, remote))
             batch.add_chunks(chunks)
             batch.writes.extend((index, req, conn) for index, req, _ in items if req.op == GrantOp.WRITE)
             with self._lock:
@@ -612,8 +655,34 @@ class RdmaTransport(Transport):
                 self.stats.bytes_submitted += sum(c.piece.length for c in chunks)
             conn.enqueue(chunks)
 
+    def _regions_for(
+        self, conn: _Connection, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch
+    ) -> list[list[RemoteRegion] | None]:
+        """The remote regions each request may touch: its grant's windows, or the segment's regions on a
+        store without windows; None (with the code set in ``batch``) where the store refused the grant."""
+        if conn.windows is None:
+            return [conn.regions(req.replica.segment_id) for _, req, _ in items]
+        asks = [
+            (req.replica.grant(req.op, req.key), req.write_checksum() if req.op == GrantOp.WRITE else 0)
+            for _, req, _ in items
+        ]
+        out: list[list[RemoteRegion] | None] = []
+        for (index, _, _), (code, regions) in zip(items, conn.window_regions(asks, batch.deadline), strict=True):
+            if code != ErrorCode.OK:
+                batch.fail(index, code)
+                out.append(None)
+            else:
+                out.append(regions)
+        return out
+
     def _chunks(
-        self, index: int, req: TransferRequest, view: memoryview, conn: _Connection, batch: _Batch
+        self,
+        index: int,
+        req: TransferRequest,
+        view: memoryview,
+        conn: _Connection,
+        batch: _Batch,
+        remote: list[RemoteRegion],
     ) -> list[_Chunk]:
         try:
             addr = buffer_address(view)
@@ -625,7 +694,7 @@ class RdmaTransport(Transport):
                 addr,
                 reg.spans(),
                 req.replica.offset,
-                conn.regions(req.replica.segment_id),
+                remote,
                 len(view),
                 self.max_chunk_bytes,
             )
@@ -728,7 +797,8 @@ class RdmaTransport(Transport):
             len(regions),
             "rw" if writable else "r",
         )
-        conn = _Connection(endpoint, sock, qp, cq, regions, writable, self.send_queue_depth)
+        windowed = _windowed_segments(doc)
+        conn = _Connection(endpoint, sock, qp, cq, regions, writable, self.send_queue_depth, windowed, self._clock)
         with self._lock:
             self._all_connections.append(conn)
         return conn
@@ -746,6 +816,16 @@ class RdmaTransport(Transport):
                 conn.close()
         self._memory.close()
         _close_quietly(self._ctx)
+
+
+def _windowed_segments(doc: dict[str, Any]) -> frozenset[int] | None:
+    """The segments admitted on a connection whose store binds a window per grant; None: no windows."""
+    if doc.get("windows") is not True:
+        return None
+    raw = doc.get("segments")
+    if not isinstance(raw, list):
+        raise KvPoolError(ErrorCode.BAD_FRAME, "RDMA_CONNECT reply: segments is not a list")
+    return frozenset(s for s in raw if isinstance(s, int) and not isinstance(s, bool))
 
 
 def _flat(buffer: memoryview) -> memoryview:

@@ -16,6 +16,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
 from kvpool.transfer.rdma_memory import SegmentMemory, _close_quietly, register_chunked
+from kvpool.transfer.rdma_windows import WindowTable
 from kvpool.transfer.rdma_wire import (
     PROTOCOL_VERSION,
     RemoteRegion,
@@ -63,6 +64,7 @@ class RdmaResponder:
         max_mr_bytes: int | None = None,
         max_qps: int = 1024,
         clock: Clock = SYSTEM_CLOCK,
+        windows: bool = False,
     ) -> None:
         if device is None:
             devices = verbs.list_devices()
@@ -81,6 +83,17 @@ class RdmaResponder:
         except VerbsError as exc:
             raise KvPoolError(ErrorCode.NOT_SUPPORTED, f"cannot open RDMA device {device}: {exc}") from exc
         self.max_mr_bytes = min(max_mr_bytes or self._ctx.max_mr_bytes, self._ctx.max_mr_bytes)
+        self.windows: WindowTable | None = None
+        """Per-grant memory windows (decision 0020); None: a client is admitted to whole segments."""
+        if windows and self._ctx.supports_windows:
+            self.windows = WindowTable(clock)
+            self.windows.start()
+        elif windows:
+            logger.warning(
+                "RDMA on %s: no memory windows in this verbs layer: admitted clients reach whole segments "
+                "(docs/decisions/0020-rdma-grant-windows.md)",
+                device,
+            )
         self._mrs: dict[int, list[MemoryRegion]] = {}
         self._regions: dict[int, list[RemoteRegion]] = {}
         try:
@@ -93,7 +106,9 @@ class RdmaResponder:
 
     def _register(self, segment_id: int, segment: SegmentMemory) -> None:
         base = buffer_address(segment.view)
-        access = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
+        access = Access.LOCAL_WRITE
+        if self.windows is None:  # with windows, a peer reaches the segment only through a grant's window
+            access |= Access.REMOTE_READ | Access.REMOTE_WRITE
         try:
             mrs = register_chunked(self._ctx, base, segment.size, access, self.max_mr_bytes)
         except VerbsError as exc:
@@ -117,6 +132,8 @@ class RdmaResponder:
         """Stop serving a segment: cut off the QPs admitted to it (their ``conn_id`` is returned, see
         :meth:`revoke`), then deregister its MRs."""
         conns = self.revoke(segment_id)
+        if self.windows is not None:
+            self.windows.revoke(segment_id)
         with self._lock:
             mrs = self._mrs.pop(segment_id, [])
             self._regions.pop(segment_id, None)
@@ -180,11 +197,56 @@ class RdmaResponder:
 
     def release(self, conn_id: Hashable) -> int:
         """Destroy the QPs admitted on a closed control connection; returns how many."""
+        if self.windows is not None:
+            self.windows.release(conn_id)
         with self._lock:
             admitted = self._admitted.pop(conn_id, [])
         for entry in admitted:
             _close_quietly(entry.qp)
         return len(admitted)
+
+    def bind_windows(self, conn_id: Hashable, grants: list[Grant]) -> list[tuple[ErrorCode, list[dict[str, int]]]]:
+        """One memory window per grant (the caller checked each grant as for a TCP request), through the QP
+        admitted on ``conn_id``: (code, regions) per grant, a region being a RemoteRegion's JSON."""
+        windows = self.windows
+        if windows is None:
+            return [(ErrorCode.NOT_SUPPORTED, [])] * len(grants)
+        with self._lock:
+            admitted = self._admitted.get(conn_id, [])
+            entry = admitted[-1] if admitted else None
+            mrs = {g.segment_id: list(self._mrs.get(g.segment_id, [])) for g in grants}
+        out: list[tuple[ErrorCode, list[dict[str, int]]]] = []
+        for grant in grants:
+            if entry is None or grant.segment_id not in entry.segments:
+                out.append((ErrorCode.AUTH_FAILED, []))
+            elif grant.op == GrantOp.WRITE and not entry.writable:
+                out.append((ErrorCode.AUTH_FAILED, []))
+            else:
+                out.append(self._bind(windows, conn_id, entry.qp, mrs[grant.segment_id], grant))
+        return out
+
+    def _bind(
+        self, windows: WindowTable, conn_id: Hashable, qp: QueuePair, mrs: list[MemoryRegion], grant: Grant
+    ) -> tuple[ErrorCode, list[dict[str, int]]]:
+        """Windows over the grant's range, one per segment MR it crosses."""
+        access = Access.REMOTE_READ if grant.op == GrantOp.READ else Access.REMOTE_WRITE
+        base = mrs[0].addr if mrs else 0
+        start, end = base + grant.offset, base + grant.offset + grant.length
+        regions: list[dict[str, int]] = []
+        for mr in mrs:
+            lo, hi = max(start, mr.addr), min(end, mr.addr + mr.length)
+            if lo >= hi:
+                continue
+            try:
+                window = self._ctx.bind_window(mr, qp, lo, hi - lo, access)
+            except VerbsError as exc:
+                logger.warning("RDMA: binding a window failed: %s", exc)
+                return ErrorCode.TRANSFER_FAILED, []
+            windows.add(conn_id, grant.segment_id, grant.expiry_ms, window)
+            regions.append(RemoteRegion(grant.segment_id, lo - base, hi - lo, lo, window.rkey).to_json())
+        if sum(r["length"] for r in regions) != grant.length:
+            return ErrorCode.OUT_OF_BOUNDS, []
+        return ErrorCode.OK, regions
 
     def close(self) -> None:
         with self._lock:
@@ -192,6 +254,9 @@ class RdmaResponder:
                 return
             self._closed = True
             conns, self._admitted = list(self._admitted.values()), {}
+        if getattr(self, "windows", None) is not None:
+            assert self.windows is not None
+            self.windows.close()
         for admitted in conns:
             for entry in admitted:
                 _close_quietly(entry.qp)
@@ -237,7 +302,12 @@ class RdmaResponder:
         with self._lock:
             regions = [r.to_json() for s in sorted(segments) for r in self._regions.get(s, [])]
         local = QpInfo(qp.qp_num, port.lid, port.gid, psn, mtu)
-        return _encode({"qp": qp_info_to_json(local), "access": "rw" if writable else "r", "regions": regions})
+        reply: dict[str, Any] = {"qp": qp_info_to_json(local), "access": "rw" if writable else "r"}
+        if self.windows is not None:  # no segment rkey: each grant gets its window (RDMA_WINDOWS)
+            reply.update(regions=[], windows=True, segments=sorted(segments))
+        else:
+            reply["regions"] = regions
+        return _encode(reply)
 
     def _authorize(self, grants: list[Grant], token_verified: bool) -> tuple[frozenset[int], bool]:
         """Which segments the peer may reach and whether it may write.

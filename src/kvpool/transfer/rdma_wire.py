@@ -95,6 +95,27 @@ def grant_from_json(doc: Any) -> Grant:
     return Grant(op, _int(d, "segment_id"), _int(d, "offset"), _int(d, "length"), _int(d, "expiry_ms"), key, mac)
 
 
+MAX_WINDOW_GRANTS = 512
+"""Most grants in one RDMA_WINDOWS request (a HiCache batch is 128 pages)."""
+
+
+def windows_request_from_json(payload: bytes | bytearray | memoryview) -> list[tuple[Grant, int]]:
+    """The (grant, checksum) pairs of an RDMA_WINDOWS request; KvPoolError(BAD_FRAME) when malformed."""
+    doc = _decode(payload, "RDMA_WINDOWS")
+    items = doc.get("grants")
+    if not isinstance(items, list) or len(items) > MAX_WINDOW_GRANTS:
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"RDMA_WINDOWS: grants must be a list of at most {MAX_WINDOW_GRANTS}")
+    out = []
+    for item in items:
+        d = _obj(item, "window request")
+        out.append((grant_from_json(d.get("grant")), _int(d, "checksum")))
+    return out
+
+
+def windows_request_to_json(items: list[tuple[Grant, int]]) -> bytes:
+    return _encode({"grants": [{"grant": grant_to_json(g), "checksum": c} for g, c in items]})
+
+
 def _obj(doc: Any, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise KvPoolError(ErrorCode.BAD_FRAME, f"RDMA_CONNECT: {what} is not an object")

@@ -14,6 +14,8 @@ from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import GrantOp
 from kvpool.transfer.base import Replica, TransferRequest, Transport
 
+_PATH_FAILURES = frozenset({ErrorCode.TRANSFER_FAILED, ErrorCode.CONNECTION_FAILED})
+
 
 class TransportSet:
     """Transports in preference order; the first that ``can_reach`` a replica serves it."""
@@ -71,9 +73,10 @@ class TransportSet:
         if len(groups) == 1:
             # One transport serves the whole batch: its own transfer() has the faster single-batch path.
             transport = self._transports[next(iter(groups))]
-            return self._counted(
+            codes = self._counted(
                 transport, requests, _verified(transport, requests, transport.transfer(requests, deadline))
             )
+            return self._fall_back(requests, codes, [transport.name] * len(requests), deadline)
         # Submit every group first, then wait: transports run concurrently.
         batches = []
         for t, positions in groups.items():
@@ -84,6 +87,26 @@ class TransportSet:
             group_codes = self._counted(transport, group, _verified(transport, group, batch.wait(deadline)))
             for position, code in zip(positions, group_codes, strict=True):
                 codes[position] = code
+        served = [""] * len(requests)
+        for t, positions in groups.items():
+            for position in positions:
+                served[position] = self._transports[t].name
+        return self._fall_back(requests, codes, served, deadline)
+
+    def _fall_back(
+        self, requests: Sequence[TransferRequest], codes: list[ErrorCode], served: list[str], deadline: Deadline
+    ) -> list[ErrorCode]:
+        """Requests a one-sided transport lost to its path (a broken QP takes every request on it) go once
+        more over the last transport (TCP), where the store checks each one itself."""
+        last = self._transports[-1]
+        retry = [i for i, code in enumerate(codes) if code in _PATH_FAILURES and served[i] == "rdma"]
+        if not retry or deadline.expired() or last.name == "rdma":
+            return codes
+        group = [requests[i] for i in retry]
+        for i, code in zip(
+            retry, self._counted(last, group, _verified(last, group, last.transfer(group, deadline))), strict=True
+        ):
+            codes[i] = code
         return codes
 
     def _counted(

@@ -20,22 +20,26 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import json
 import mmap
 import os
 import tempfile
-import threading
 import time
+from collections import deque
 from typing import Any
 
 from kvpool.common import envs
+from kvpool.common.log import get_logger
 from kvpool.transfer.verbs import (
     Access,
     CompletionQueue,
+    MemoryRegion,
     Mtu,
     Opcode,
     QpInfo,
     QpState,
+    QueuePair,
     VerbsError,
     WcStatus,
     WorkRequest,
@@ -50,6 +54,10 @@ from kvpool.transfer.verbs_fake import (
     FakeVerbs,
 )
 
+logger = get_logger(__name__)
+
+_PORT_NUMBERS = itertools.count(1)
+_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE
 _RESPONDER_STATES = frozenset({int(QpState.RTR), int(QpState.RTS), int(QpState.SQD)})
 
 
@@ -89,6 +97,7 @@ class IpcFakeFabric(FakeFabric):
 
     def __init__(self, directory: str | None = None) -> None:
         super().__init__()
+        self.posted = deque(maxlen=1024)  # type: ignore[assignment]  # a long run must not keep every WR
         self.directory = directory or fabric_dir()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self.nic_seconds = 0.0
@@ -170,13 +179,13 @@ class IpcFakeContext(FakeContext):
     def __init__(self, verbs: IpcFakeVerbs, device: str, gid_index: int) -> None:
         super().__init__(verbs, device, gid_index)
         # Unique across processes: the pid and a per-process port number.
-        self.lid = (os.getpid() * 16 + self.lid) & 0xFFFF or 1
+        # Every context of this process gets its own port number (several clients may live in one process).
+        self.lid = next(_PORT_NUMBERS) & 0xFFFF or 1
         self.gid = f"fe80:0000:{os.getpid() >> 16:04x}:{os.getpid() & 0xFFFF:04x}:0000:0000:{self.lid:04x}:0001"
         assert isinstance(self.fabric, IpcFakeFabric)
         self.ipc_fabric: IpcFakeFabric = self.fabric
         self._path = os.path.join(self.ipc_fabric.directory, _file_name(self.gid, ".json"))
         self._version_path = os.path.join(self.ipc_fabric.directory, _file_name(self.gid, ".ver"))
-        self._publish_lock = threading.Lock()
         self._version = 0
         version = _map_version(self._version_path, create=True)
         if version is None:
@@ -185,27 +194,14 @@ class IpcFakeContext(FakeContext):
         self.publish()
 
     def publish(self) -> None:
-        """Write what this device's HCA knows, atomically (readers see the old or the new state)."""
+        """Write what this device's HCA knows, atomically (readers see the old or the new state).
+
+        Snapshot and write happen under one lock: two threads publishing at once must not let an older
+        snapshot overwrite a newer one (a just-bound window would vanish for the peers)."""
         with self.fabric.lock:
-            state = {
-                "pid": os.getpid(),
-                "device": self.name,
-                "qps": {
-                    str(qp.qp_num): {
-                        "state": int(qp.state),
-                        "access": int(qp.access),
-                        "remote": list(qp.remote) if qp.remote else None,
-                    }
-                    for qp in self.qps
-                    if not qp.closed
-                },
-                "mrs": {
-                    str(mr.rkey): [mr.addr, mr.length, int(mr.access)] for mr in self._by_rkey.values() if not mr.closed
-                },
-            }
-        with self._publish_lock:
             if self.closed:
                 return
+            state = self._snapshot()
             fd, tmp = tempfile.mkstemp(dir=self.ipc_fabric.directory, prefix=".tmp-")
             with os.fdopen(fd, "w", encoding="ascii") as f:
                 json.dump(state, f)
@@ -214,14 +210,40 @@ class IpcFakeContext(FakeContext):
             self._version += 1
             self._version_map[:8] = self._version.to_bytes(8, "little")
 
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "device": self.name,
+            "qps": {
+                str(qp.qp_num): {
+                    "state": int(qp.state),
+                    "access": int(qp.access),
+                    "remote": list(qp.remote) if qp.remote else None,
+                }
+                for qp in self.qps
+                if not qp.closed
+            },
+            "mrs": {
+                str(mr.rkey): [mr.addr, mr.length, int(mr.access), mr.bound_qp]
+                for mr in self._by_rkey.values()
+                if not mr.closed and mr.access & _REMOTE
+            },
+        }
+
     def reg_mr(self, address: int, length: int, access: Access) -> FakeMR:
         mr = super().reg_mr(address, length, access)
-        self.publish()
+        if access & _REMOTE:  # only what a peer may reach is published: local-only MRs stay private
+            self.publish()
         return mr
+
+    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> FakeMR:
+        window = super().bind_window(mr, qp, addr, length, access)
+        self.publish()
+        return window
 
     def forget_mr(self, mr: FakeMR) -> None:
         super().forget_mr(mr)
-        if not self.closed:
+        if not self.closed and mr.access & _REMOTE:
             self.publish()
 
     def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> IpcFakeQP:
@@ -238,7 +260,7 @@ class IpcFakeContext(FakeContext):
 
     def close(self) -> None:
         super().close()
-        with self._publish_lock:
+        with self.fabric.lock:
             _unlink(self._path)
             _unlink(self._version_path)
             self._version_map.close()
@@ -298,8 +320,22 @@ class IpcFakeQP(FakeQP):
             return WcStatus.RETRY_EXC_ERR  # nobody answers on the other end: the retries run out
         need = Access.REMOTE_READ if wr.opcode == Opcode.RDMA_READ else Access.REMOTE_WRITE
         mr = peer["mrs"].get(str(wr.rkey))
-        covered = mr is not None and mr[0] <= wr.remote_addr and wr.remote_addr + wr.length <= mr[0] + mr[1]
+        covered = (
+            mr is not None
+            and mr[0] <= wr.remote_addr
+            and wr.remote_addr + wr.length <= mr[0] + mr[1]
+            and mr[3] in (None, qpn)  # a memory window works only through the QP it is bound to
+        )
         if not peer_qp["access"] & need or not covered or mr is None or not mr[2] & need:
+            logger.debug(
+                "fake NIC: REM_ACCESS_ERR: rkey %#x [%#x, +%d) %s, peer QP access %d, entry %s",
+                wr.rkey,
+                wr.remote_addr,
+                wr.length,
+                wr.opcode.name,
+                peer_qp["access"],
+                mr,
+            )
             return WcStatus.REM_ACCESS_ERR
         if not _remote_copy(int(peer["pid"]), wr.local_addr, wr.remote_addr, wr.length, wr.opcode != Opcode.RDMA_READ):
             return WcStatus.RETRY_EXC_ERR  # the peer process is gone

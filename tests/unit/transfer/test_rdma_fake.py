@@ -86,6 +86,7 @@ class ControlServer:
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._conns: list[socket.socket] = []
         self._stopping = False
+        self.records = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -115,6 +116,9 @@ class ControlServer:
                         status, body = ErrorCode.AUTH_FAILED, b""
                     else:
                         status, body = self.responder.handle_connect(payload, conn_id=conn_id, token_verified=verified)
+                elif head.op == Op.RECORD and self.responder is not None:
+                    self.records += 1  # the real data plane checks the grant and records the object
+                    status, body = ErrorCode.OK, b""
                 else:
                     conn.sendall(frames.pack_header(head.op, head.req_id, 0, ErrorCode.UNKNOWN_OP))
                     return
