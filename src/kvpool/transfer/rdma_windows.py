@@ -18,7 +18,13 @@ from kvpool.common.grants import Grant
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.transfer.rdma_memory import _close_quietly
-from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, RemoteRegion, _decode, windows_request_to_json
+from kvpool.transfer.rdma_wire import (
+    MAX_CONNECT_PAYLOAD,
+    MAX_WINDOW_GRANTS,
+    RemoteRegion,
+    _decode,
+    windows_request_to_json,
+)
 from kvpool.transfer.verbs import MemoryRegion
 
 logger = get_logger(__name__)
@@ -129,6 +135,8 @@ class WindowTable:
 # ---------------------------------------------------------------------- the client side
 _WINDOWS_REQ_ID = 8  # RDMA_WINDOWS request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
 _MAX_CACHED = 65536
+_FRAME_BUDGET = 48 << 10  # bytes of JSON per RDMA_WINDOWS request, under MAX_CONNECT_PAYLOAD
+_GRANT_JSON_BYTES = 320  # one grant's JSON without its key (hex MAC, fields, checksum), rounded up
 
 
 class ClientWindows:
@@ -136,7 +144,7 @@ class ClientWindows:
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._cache: dict[tuple[int, int, int, int, int, bytes], tuple[int, list[RemoteRegion]]] = {}
+        self._cache: dict[tuple[int, int, int, int, int, bytes, bytes], tuple[int, list[RemoteRegion]]] = {}
 
     def get(
         self, sock: socket.socket, items: Sequence[tuple[Grant, int]], timeout: float
@@ -157,17 +165,31 @@ class ClientWindows:
             else:
                 out.append(None)
                 missing.append(n)
-        if missing:
-            answers = _exchange(sock, [items[n] for n in missing], timeout)
-            for n, (code, regions) in zip(missing, answers, strict=True):
+        for part in _frames(missing, items):
+            answers = _exchange(sock, [items[n] for n in part], timeout)
+            for n, (code, regions) in zip(part, answers, strict=True):
                 out[n] = (code, regions)
                 if code == ErrorCode.OK:
                     self._cache[_key(items[n][0])] = (items[n][0].expiry_ms, regions)
         return [o if o is not None else (ErrorCode.INTERNAL, []) for o in out]
 
 
-def _key(grant: Grant) -> tuple[int, int, int, int, int, bytes]:
-    return (int(grant.op), grant.segment_id, grant.offset, grant.length, grant.expiry_ms, grant.mac)
+def _frames(positions: list[int], items: Sequence[tuple[Grant, int]]) -> list[list[int]]:
+    """``positions`` cut into RDMA_WINDOWS requests that stay under the frame budget (a key's hex is 2x)."""
+    out: list[list[int]] = []
+    size = 0
+    for n in positions:
+        cost = _GRANT_JSON_BYTES + 2 * len(items[n][0].key)
+        if not out or size + cost > _FRAME_BUDGET or len(out[-1]) >= MAX_WINDOW_GRANTS:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += cost
+    return out
+
+
+def _key(grant: Grant) -> tuple[int, int, int, int, int, bytes, bytes]:
+    return (int(grant.op), grant.segment_id, grant.offset, grant.length, grant.expiry_ms, grant.mac, grant.key)
 
 
 def _exchange(

@@ -178,3 +178,17 @@ def test_bind_refuses_a_write_on_a_read_only_connection_and_an_unknown_connectio
     write = rig.grant(GrantOp.WRITE, 0, 4096)
     assert rig.responder.bind_windows("c1", [write])[0][0] == ErrorCode.AUTH_FAILED
     assert rig.responder.bind_windows("nobody", [read])[0][0] == ErrorCode.AUTH_FAILED
+
+
+def test_a_large_batch_of_long_keys_is_cut_into_frames_the_store_accepts() -> None:
+    from kvpool.transfer.rdma_windows import _frames
+    from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, windows_request_from_json, windows_request_to_json
+
+    key = b"k" * 512
+    items = [(Grant(GrantOp.READ, SEG, i * 4096, 4096, 2**41, key, b"\xab" * 16), 2**64 - 1) for i in range(300)]
+    parts = _frames(list(range(300)), items)
+    assert sorted(n for part in parts for n in part) == list(range(300))
+    for part in parts:
+        payload = windows_request_to_json([items[n] for n in part])
+        assert len(payload) <= MAX_CONNECT_PAYLOAD
+        assert len(windows_request_from_json(payload)) == len(part)
