@@ -86,7 +86,7 @@ class RdmaResponder:
         self.windows: WindowTable | None = None
         """Per-grant memory windows (decision 0020); None: a client is admitted to whole segments."""
         if windows and self._ctx.supports_windows:
-            self.windows = WindowTable(clock)
+            self.windows = WindowTable(clock, self._ctx.flush_windows)
             self.windows.start()
         elif windows:
             logger.warning(
@@ -223,6 +223,7 @@ class RdmaResponder:
                 out.append((ErrorCode.AUTH_FAILED, []))
             else:
                 out.append(self._bind(windows, conn_id, entry.qp, mrs[grant.segment_id], grant))
+        self._ctx.flush_windows()  # every window of the batch takes effect before the answer leaves
         return out
 
     def _bind(

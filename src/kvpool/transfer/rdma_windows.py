@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import socket
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.common.clock import Clock
@@ -47,6 +47,8 @@ class WindowTable:
     """The live windows, by control connection and by expiry; a sweeper thread invalidates expired ones."""
 
     clock: Clock
+    flush: Callable[[], None]
+    """Makes binds and invalidations take effect (``DeviceContext.flush_windows``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _by_conn: dict[Hashable, list[_Window]] = field(default_factory=dict)
     _expiries: list[tuple[int, int, _Window]] = field(default_factory=list)
@@ -119,10 +121,11 @@ class WindowTable:
             if not windows:
                 del self._by_conn[window.conn_id]
 
-    @staticmethod
-    def _invalidate(windows: list[_Window]) -> None:
+    def _invalidate(self, windows: list[_Window]) -> None:
         for window in windows:
             _close_quietly(window.mr)
+        if windows:
+            self.flush()
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(SWEEP_INTERVAL_S):

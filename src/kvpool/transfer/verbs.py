@@ -285,6 +285,9 @@ class DeviceContext(ABC):
         ``access``: its ``rkey`` reaches that range alone, and ``close()`` invalidates it at once."""
         raise VerbsError(f"{self.name}: memory windows are not supported by this verbs layer", errno.EOPNOTSUPP)
 
+    def flush_windows(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
+        """Make the window binds and invalidations before this call take effect (a batch of them at once)."""
+
     @abstractmethod
     def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> QueuePair: ...
 

@@ -237,14 +237,15 @@ class IpcFakeContext(FakeContext):
         return mr
 
     def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> FakeMR:
-        window = super().bind_window(mr, qp, addr, length, access)
+        return super().bind_window(mr, qp, addr, length, access)  # visible to peers at flush_windows()
+
+    def flush_windows(self) -> None:
         self.publish()
-        return window
 
     def forget_mr(self, mr: FakeMR) -> None:
         super().forget_mr(mr)
-        if not self.closed and mr.access & _REMOTE:
-            self.publish()
+        if not self.closed and mr.access & _REMOTE and mr.bound_qp is None:
+            self.publish()  # a window's invalidation is published by flush_windows()
 
     def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> IpcFakeQP:
         self._check_open()
