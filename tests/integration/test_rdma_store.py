@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def test_the_store_advertises_rdma_and_a_client_moves_every_byte_over_it(
     assert IpcFakeFabric.total_bytes_moved - before == 2 * payload
     info = fetch_store_info(endpoint)
     assert info["rdma"]["device"] == "fake_mlx5_0"
+    (store,) = cluster.stores
+    text = urllib.request.urlopen(f"http://{store.endpoints['metrics']}/metrics", timeout=10).read().decode()
+    granted = next(line for line in text.splitlines() if line.startswith("kvpool_store_rdma_bytes_granted_total"))
+    assert float(granted.split()[-1]) == 2 * payload  # one window per grant: each put and each get
     assert info["rdma"]["segments"] == [s["id"] for s in info["segments"]]
 
 

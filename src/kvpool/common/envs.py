@@ -68,7 +68,6 @@ KVPOOL_FAKE_VERBS_DIR = EnvVar(
     "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
 )
 KVPOOL_RDMA_DEVICE = EnvVar("KVPOOL_RDMA_DEVICE", "", "Store RDMA devices: auto, off, or NAME[,NAME...].")
-KVPOOL_TEST_CUDA = EnvVar("KVPOOL_TEST_CUDA", False, "Run the opt-in GPU-memory RDMA test (needs a GPU and a NIC).")
 
 ALL: list[EnvVar[Any]] = [
     KVPOOL_MASTER,
@@ -85,7 +84,6 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_VERBS,
     KVPOOL_FAKE_VERBS_DIR,
     KVPOOL_RDMA_DEVICE,
-    KVPOOL_TEST_CUDA,
 ]
 
 

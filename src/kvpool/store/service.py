@@ -388,10 +388,28 @@ class _StoreCollector(Collector):
             "Connections refused (total or per-client limit)",
             value=s.connections_rejected,
         )
+        yield from _rdma_metrics(store.rdma)
         errors = CounterMetricFamily("kvpool_store_errors", "Data-plane error replies by code", labels=["code"])
         for code, n in sorted(s.errors.items()):
             errors.add_metric([code], n)
         yield errors
+
+
+def _rdma_metrics(rdma: RdmaResponder | None) -> Any:
+    """RDMA in use: admitted queue pairs, and the windows (and bytes) granted over it (docs/rdma.md)."""
+    if rdma is None:
+        return
+    yield GaugeMetricFamily("kvpool_store_rdma_connections", "RDMA queue pairs admitted", value=rdma.connections)
+    if rdma.windows is not None:
+        yield GaugeMetricFamily("kvpool_store_rdma_windows", "Memory windows live", value=rdma.windows.live())
+        yield CounterMetricFamily(
+            "kvpool_store_rdma_windows_bound", "Memory windows bound (one per grant)", value=rdma.windows.bound
+        )
+        yield CounterMetricFamily(
+            "kvpool_store_rdma_bytes_granted",
+            "Bytes made reachable by RDMA windows (the NIC moves them; the store CPU does not see them)",
+            value=rdma.windows.bytes_bound,
+        )
 
 
 def serve(config: StoreConfig, ready_file: str = "") -> int:

@@ -58,6 +58,7 @@ _FAILURES_BEFORE_COOLDOWN = 3
 WINDOW_EXPIRY_MARGIN_MS = 1000
 """A grant with less than this left is not used over RDMA (its window may die mid-batch)."""
 _RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
+_LEARN_TIMEOUT_S = 0.5  # can_reach has no deadline: a store slow to say STORE_INFO is served over TCP meanwhile
 _RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
 
 # Connect refusals about the request's grants, not about the path to the store: no cooldown for these.
@@ -443,7 +444,7 @@ class RdmaTransport(Transport):
             return None
         peer.learned_at = now
         try:
-            info = fetch_store_info(endpoint, token=self._token, timeout=self.connect_timeout)
+            info = fetch_store_info(endpoint, token=self._token, timeout=_LEARN_TIMEOUT_S)
         except KvPoolError as exc:
             logger.debug("rdma: STORE_INFO from %s failed: %s", endpoint, exc)
             return peer

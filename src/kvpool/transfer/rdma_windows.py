@@ -57,6 +57,8 @@ class WindowTable:
     _thread: threading.Thread | None = None
     bound: int = 0
     """Windows bound so far (a metric)."""
+    bytes_bound: int = 0
+    """Bytes of segment reachable through the windows bound so far (a metric: RDMA is in use)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._sweep_loop, name="kvpool-rdma-windows", daemon=True)
@@ -69,6 +71,7 @@ class WindowTable:
             self._seq += 1
             heapq.heappush(self._expiries, (expiry_ms, self._seq, window))
             self.bound += 1
+            self.bytes_bound += mr.length
 
     def live(self) -> int:
         with self._lock:
