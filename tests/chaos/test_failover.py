@@ -31,6 +31,7 @@ def ha_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(stores=2, store_size="64MiB", ha=True, master_args=HA_ARGS)
 
 
+@pytest.mark.usefixtures("data_path")
 def test_leader_sigkill_under_load(ha_cluster: LocalCluster) -> None:
     result = run_failover(ha_cluster, fault="sigkill")
     print(f"\nfailover after SIGKILL of the leader: {asdict(result)}")

@@ -105,6 +105,7 @@ def check_all(c: PoolClient, keys: list[str]) -> tuple[list[str], list[str], lis
 
 
 # ---------------------------------------------------------------------- a store SIGKILLed
+@pytest.mark.usefixtures("data_path")
 def test_store_sigkill_during_reads_and_writes(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(stores=2, store_size="64MiB", master_args=FAST_MASTER)  # stores expire after 2 s
     c = fast_client(cluster.master)

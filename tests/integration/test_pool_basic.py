@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("size", [1, 100, 4096, 65_537, 1 << 20, (4 << 20) + 3])
+@pytest.mark.usefixtures("data_path")
 def test_round_trip_of_many_sizes(cluster: LocalCluster, size: int) -> None:
     value = os.urandom(size)
     with client(cluster.master) as pool:
@@ -72,6 +73,7 @@ def test_values_are_immutable_and_a_second_put_is_a_noop(cluster: LocalCluster) 
         assert pool.get("imm") == b"first"
 
 
+@pytest.mark.usefixtures("data_path")
 def test_batches_with_mixed_hits_and_misses(cluster: LocalCluster) -> None:
     keys = [f"mix-{i}" for i in range(64)]
     values = [os.urandom(1000 + i) for i in range(64)]
@@ -104,6 +106,7 @@ def test_remove_and_leases(cluster: LocalCluster) -> None:
         assert pool.remove("rm") == ErrorCode.OBJECT_NOT_FOUND
 
 
+@pytest.mark.usefixtures("data_path")
 def test_two_clients_racing_on_one_key_never_see_a_torn_value(cluster: LocalCluster) -> None:
     size = 2 << 20
     candidates = {bytes([i]) * size for i in range(2)}
@@ -140,6 +143,7 @@ def test_two_clients_racing_on_one_key_never_see_a_torn_value(cluster: LocalClus
     assert all(v in candidates for v in final)
 
 
+@pytest.mark.usefixtures("data_path")
 def test_killed_store_objects_become_misses_and_no_call_hangs(make_cluster: object) -> None:
     cluster = make_cluster(stores=2, store_size="32MiB")  # type: ignore[operator]
     with client(cluster.master, timeout_s=2.0) as pool:

@@ -95,6 +95,7 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------- the right token
+@pytest.mark.usefixtures("data_path")
 def test_the_right_token_works_on_every_plane(secured: LocalCluster, token_file: Path) -> None:
     with _client(secured, token_file=str(token_file)) as c:
         assert c.put("k", b"v" * 10_000) == 0

@@ -54,3 +54,28 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
 @pytest.fixture
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(stores=2, store_size="64MiB")
+
+
+# ---- the data path a byte-moving test runs over (docs/rdma.md): one-line opt-in per test
+DATA_PATHS = ("tcp", "rdma")
+
+
+@pytest.fixture(params=DATA_PATHS)
+def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """Run the test over TCP and over one-sided RDMA through the cross-process FAKE NIC.
+
+    Use it as ``@pytest.mark.usefixtures("data_path")`` (before the cluster fixtures, so that the stores it
+    starts inherit the environment). The "rdma" run sets ``KVPOOL_VERBS=fake`` for this process and the
+    stores, and fails unless the fake NIC of this process really moved bytes.
+    """
+    from kvpool.transfer.verbs_fake_ipc import IpcFakeFabric
+
+    if request.param == "rdma":
+        monkeypatch.setenv("KVPOOL_VERBS", "fake")
+        monkeypatch.setenv("KVPOOL_FAKE_VERBS_DIR", str(tmp_path / "fake-nic"))
+    else:
+        monkeypatch.delenv("KVPOOL_VERBS", raising=False)
+    before = IpcFakeFabric.total_bytes_moved
+    yield request.param
+    if request.param == "rdma":
+        assert IpcFakeFabric.total_bytes_moved > before, "the rdma run moved no byte over the fake NIC"

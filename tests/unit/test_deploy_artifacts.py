@@ -337,6 +337,7 @@ def test_default_render() -> None:
     assert "--numa-node" not in cmd
     assert "--hugepages" not in cmd
     assert "--ssd-dir" not in cmd
+    assert _arg(cmd, "--rdma-device") == "off"  # no RDMA device requested: the store does not look for one
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 9101}
     dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"]["medium"] == "Memory"
@@ -377,6 +378,8 @@ def test_hugepages_rdma_numa_render() -> None:
         limits = c["resources"]["limits"]
         assert limits["hugepages-2Mi"] == "8Gi"
         assert limits["rdma/hca_shared_devices_a"] == 1
+        assert _arg(cmd, "--rdma-device") == "auto"
+        assert _arg(cmd, "--rdma-gid-index") == "0"
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         assert mounts["/dev/hugepages"]["name"] == "hugepages"

@@ -699,6 +699,7 @@ class PoolClient:
         """This client's counters, for the engine to publish."""
         values = self._counters.snapshot()
         values["degraded"] = int(self._master.degraded)
+        values.update({f"bytes_{name}": n for name, n in self._transports.bytes_by_transport().items()})
         return values
 
     def close(self) -> None:

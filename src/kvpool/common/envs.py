@@ -58,6 +58,16 @@ KVPOOL_TEST_RDMA_DEVICE = EnvVar(
 )
 KVPOOL_NODE = EnvVar("KVPOOL_NODE", "", "This machine's node name (default: the hostname).")
 KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-node shared-memory path.")
+# RDMA (docs/rdma.md)
+KVPOOL_VERBS = EnvVar(
+    "KVPOOL_VERBS",
+    "",
+    "Verbs provider: empty = pyverbs (real NICs); fake = the cross-process FAKE NIC for tests (in every process).",
+)
+KVPOOL_FAKE_VERBS_DIR = EnvVar(
+    "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
+)
+KVPOOL_RDMA_DEVICE = EnvVar("KVPOOL_RDMA_DEVICE", "", "Store RDMA devices: auto, off, or NAME[,NAME...].")
 
 # The running local cluster (`kvpool local up`), found by tools when no master is given (common/local_context.py).
 KVPOOL_LOCAL_CONTEXT = EnvVar(
@@ -82,6 +92,9 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_DISABLE_SHM,
     KVPOOL_LOCAL_CONTEXT,
     XDG_RUNTIME_DIR,
+    KVPOOL_VERBS,
+    KVPOOL_FAKE_VERBS_DIR,
+    KVPOOL_RDMA_DEVICE,
 ]
 
 

@@ -88,6 +88,9 @@ class Op(IntEnum):
     READV first: a store that predates it answers UNKNOWN_OP and closes, and gets plain READs and WRITEs."""
     WRITEV = 9
     """Several WRITEs in one frame (module docstring)."""
+    RDMA_WINDOWS = 24
+    """On an RDMA control connection: grants in, one memory window (addr, rkey) per valid grant out, bound to
+    the connection's QP over exactly the grant's range and access until it expires (docs/rdma.md)."""
     # Master RPCs (the lean path), same messages as the gRPC service.
     GET_CLUSTER_INFO = 64
     BATCH_PUT_START = 65

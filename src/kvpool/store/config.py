@@ -59,6 +59,14 @@ class StoreConfig:
         "less store CPU, but slower end-to-end on some hosts (docs/decisions/0017); measure before enabling.",
     )
 
+    rdma_device: str = option(
+        "auto",
+        "RDMA devices to serve one-sided READ/WRITE on: auto (every device found), off, or NAME[,NAME...]. "
+        "Without a usable device clients use TCP (one log line).",
+        env=envs.KVPOOL_RDMA_DEVICE,
+    )
+    rdma_gid_index: int = option(0, "GID index of the RDMA port (RoCE v2: the IPv4-mapped GID, often 3).")
+
     def __post_init__(self) -> None:
         if self.size < 1 << 20:
             raise ValueError(f"--size must be at least 1 MiB, got {self.size}")

@@ -67,6 +67,8 @@ from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
+from kvpool.transfer.rdma_responder import RdmaResponder
+from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, windows_request_from_json
 from kvpool.transfer.tcp import (
     FrameReader,
     Spinner,
@@ -177,8 +179,11 @@ class DataPlaneServer:
         limits: ClientLimits | None = None,
         spin_us: int = 0,
         read_sendfile: bool = False,
+        rdma: RdmaResponder | None = None,
     ) -> None:
         self.host = host
+        self.rdma = rdma
+        """Answers RDMA_CONNECT (one-sided RDMA to the segments, docs/rdma.md); None: clients use TCP."""
         self.port = port
         self._inventory = inventory
         self._max_connections = max_connections
@@ -267,6 +272,17 @@ class DataPlaneServer:
             self._segments = {k: v for k, v in self._segments.items() if k != segment_id}
             self._secrets = {k: v for k, v in self._secrets.items() if k != segment_id}
             self._max_part = max((s.size for s in self._segments.values()), default=0)
+        self._cut_off_rdma(segment_id)
+
+    def _cut_off_rdma(self, segment_id: int) -> None:
+        """The QPs admitted to a removed segment die, and their control connections close."""
+        if self.rdma is None:
+            return
+        victims = set(self.rdma.remove_segment(segment_id))
+        with self._lock:
+            conns = [c for c in self._conns if c in victims]
+        for conn in conns:
+            _shutdown(conn.sock)
 
     # ------------------------------------------------------------------ metrics
     def statistics(self) -> DataPlaneStats:
@@ -356,6 +372,8 @@ class DataPlaneServer:
         except Exception:
             logger.exception("data plane: error serving %s", conn.peer)
         finally:
+            if self.rdma is not None:
+                self.rdma.release(conn)  # the QPs admitted on this connection die with it
             sock.close()
             with self._lock:
                 self._conns.discard(conn)
@@ -396,6 +414,10 @@ class DataPlaneServer:
                 self._send_info(conn, req_id)
             elif op == Op.RECORD:
                 self._record(conn, reader, req_id, length)
+            elif op == Op.RDMA_CONNECT:
+                self._rdma_connect(conn, reader, req_id, length)
+            elif op == Op.RDMA_WINDOWS:
+                self._rdma_windows(conn, reader, req_id, length)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -662,6 +684,57 @@ class DataPlaneServer:
         else:
             conn.stats.error(code)
         self._reply(conn, Op.RECORD, req_id, code)
+
+    def _rdma_connect(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """Admit a client's queue pair to the segments its grants name (docs/rdma.md); the connection then
+        stays open, carrying RECORDs, for the QP's lifetime."""
+        if self.rdma is None:
+            raise _Close(ErrorCode.UNKNOWN_OP, "this store serves no RDMA", req_id, Op.RDMA_CONNECT)
+        if length > MAX_CONNECT_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"RDMA_CONNECT of {length} bytes", req_id, Op.RDMA_CONNECT)
+        payload = bytearray(length)
+        reader.read_into(memoryview(payload))
+        token_verified = self.auth.required and conn.authed
+        code, body = self.rdma.handle_connect(payload, conn_id=conn, token_verified=token_verified)
+        if code != ErrorCode.OK:
+            conn.stats.error(code)
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.RDMA_CONNECT, 0, int(code), req_id, len(body))
+        send_all(conn.sock, header, memoryview(body))
+
+    def _rdma_windows(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        """Check each grant exactly as for a TCP request, then bind a memory window over its range to this
+        connection's QP (docs/decisions/0020-rdma-grant-windows.md). A WRITE grant's range is dropped from
+        the inventory now, before any byte lands, as a TCP WRITE does."""
+        if self.rdma is None:
+            raise _Close(ErrorCode.UNKNOWN_OP, "this store serves no RDMA", req_id, Op.RDMA_WINDOWS)
+        if length > MAX_CONNECT_PAYLOAD:
+            raise _Close(ErrorCode.BAD_FRAME, f"RDMA_WINDOWS of {length} bytes", req_id, Op.RDMA_WINDOWS)
+        payload = bytearray(length)
+        reader.read_into(memoryview(payload))
+        try:
+            items = windows_request_from_json(payload)
+        except KvPoolError as exc:
+            raise _Close(exc.code, exc.message, req_id, Op.RDMA_WINDOWS) from None
+        codes: list[ErrorCode] = []
+        for grant, checksum in items:
+            code, seg = self._check(TransferDesc(grant, checksum, 0, grant.length), 0, conn.stats)
+            if seg is not None and grant.op == GrantOp.WRITE:
+                self._inventory.begin_write(grant.segment_id, grant.offset, grant.length, grant.key, checksum)
+            codes.append(code)
+        ok = [grant for (grant, _), code in zip(items, codes, strict=True) if code == ErrorCode.OK]
+        bound = iter(self.rdma.bind_windows(conn, ok))
+        answers = []
+        for code in codes:
+            if code == ErrorCode.OK:
+                code, regions = next(bound)
+            else:
+                regions = []
+            if code != ErrorCode.OK:
+                conn.stats.error(code)
+            answers.append({"code": int(code), "regions": regions})
+        body = json.dumps({"v": 1, "windows": answers}, separators=(",", ":")).encode()
+        header = _take_held(conn) + HEADER.pack(MAGIC, Op.RDMA_WINDOWS, 0, 0, req_id, len(body))
+        send_all(conn.sock, header, memoryview(body))
 
     def _check_and_reserve(
         self, conn: _Conn, desc: TransferDesc, revalidate: int = 0

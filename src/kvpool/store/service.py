@@ -38,6 +38,8 @@ from kvpool.store.limits import ClientLimits
 from kvpool.store.mover import Mover
 from kvpool.store.segment import ShmSegment
 from kvpool.store.tiering import StoreTier
+from kvpool.transfer.factory import make_responder
+from kvpool.transfer.rdma_responder import RdmaResponder
 from kvpool.transfer.tcp import TcpTransport
 
 log = get_logger(__name__)
@@ -167,6 +169,8 @@ class StoreServer:
         self.inventory = Inventory()
         self.segment: ShmSegment | None = None
         self.dataplane: DataPlaneServer | None = None
+        self.rdma: RdmaResponder | None = None
+        """One-sided RDMA to the segment (docs/rdma.md); None when no device serves it."""
         self.tier: StoreTier | None = None
         self.mover: Mover | None = None
         """Runs the drain/rebalance copies the master hands this store (store/mover.py)."""
@@ -197,6 +201,12 @@ class StoreServer:
 
             bind_memory(self.segment, cfg.numa_node)
         self.segment.prefault()
+        self.rdma = make_responder(
+            cfg.rdma_device,
+            {self.segment.id: self.segment},
+            {self.segment.id: self._secret},
+            gid_index=cfg.rdma_gid_index,
+        )
         self.dataplane = DataPlaneServer(
             cfg.host,
             cfg.port,
@@ -209,6 +219,7 @@ class StoreServer:
             limits=ClientLimits(cfg.max_connections_per_client, cfg.max_inflight_bytes_per_client),
             spin_us=cfg.spin_us,
             read_sendfile=cfg.read_sendfile,
+            rdma=self.rdma,
         )
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
@@ -245,6 +256,7 @@ class StoreServer:
             "node": self.node,
             "pid": os.getpid(),
             "segments": [{"id": self.segment.id, "size": self.segment.size, "shm_path": self.segment.path}],
+            **({"rdma": self.rdma.advertisement()} if self.rdma is not None else {}),
         }
 
     def _segment_info(self) -> pb.SegmentInfo:
@@ -372,6 +384,8 @@ class StoreServer:
             self.dataplane.stop()
         if self._metrics is not None:
             self._metrics.stop()
+        if self.rdma is not None:
+            self.rdma.close()  # after the data plane, before the unmap: its MRs pin the segment's pages
         if self.segment is not None:
             self.segment.close()
         if self.tier is not None:
@@ -421,10 +435,28 @@ class _StoreCollector(Collector):
             "Connections refused (total or per-client limit)",
             value=s.connections_rejected,
         )
+        yield from _rdma_metrics(store.rdma)
         errors = CounterMetricFamily("kvpool_store_errors", "Data-plane error replies by code", labels=["code"])
         for code, n in sorted(s.errors.items()):
             errors.add_metric([code], n)
         yield errors
+
+
+def _rdma_metrics(rdma: RdmaResponder | None) -> Any:
+    """RDMA in use: admitted queue pairs, and the windows (and bytes) granted over it (docs/rdma.md)."""
+    if rdma is None:
+        return
+    yield GaugeMetricFamily("kvpool_store_rdma_connections", "RDMA queue pairs admitted", value=rdma.connections)
+    if rdma.windows is not None:
+        yield GaugeMetricFamily("kvpool_store_rdma_windows", "Memory windows live", value=rdma.windows.live())
+        yield CounterMetricFamily(
+            "kvpool_store_rdma_windows_bound", "Memory windows bound (one per grant)", value=rdma.windows.bound
+        )
+        yield CounterMetricFamily(
+            "kvpool_store_rdma_bytes_granted",
+            "Bytes made reachable by RDMA windows (the NIC moves them; the store CPU does not see them)",
+            value=rdma.windows.bytes_bound,
+        )
 
 
 def serve(config: StoreConfig, ready_file: str = "") -> int:

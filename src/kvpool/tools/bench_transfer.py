@@ -1,15 +1,21 @@
-"""``kvpool bench transfer``: put and get GB/s of the pool over TCP, against this machine's ceiling.
+"""``kvpool bench transfer``: put and get GB/s of the pool over TCP, shared memory or RDMA (``--transport``),
+against this machine's ceiling.
 
 It starts its own local cluster (a master and one store process), measures the raw loopback TCP
 ceiling between two Python processes with preallocated buffers in the same run, then times the
 zero-copy forms (``batch_put_from`` / ``batch_get_into``) for 64 KiB, 1 MiB and 4 MiB values, one key
-per call and batched. Each figure is the median of ``--runs`` runs; these machines are noisy.
+per call and batched. Each figure is the median of ``--runs`` runs; these machines are noisy. Every value
+read back is compared byte for byte with what was written (outside the timed calls), and the JSON says how
+many payload bytes each transport moved (``bytes_by_transport``, from the client's counters); with
+``--transport rdma`` it adds ``post_us_per_wr`` (docs/rdma.md). ``KVPOOL_VERBS=fake`` runs RDMA through the
+FAKE NIC where there is no device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -18,8 +24,10 @@ from dataclasses import asdict, dataclass
 
 from kvpool.common.errors import batch_failure
 from kvpool.tools.argtypes import positive_float, positive_int, size, sizes_bytes
+from kvpool.transfer.rdma_client import RdmaTransport
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
+TRANSPORTS = ("tcp", "shm", "rdma")
 BATCH_BYTES = 32 << 20  # a batched call moves about this much
 
 
@@ -32,6 +40,7 @@ class Row:
     p50_us: float
     p99_us: float
     ratio_to_ceiling: float = 0.0
+    transport: str = "tcp"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-size", type=size, default="768MiB", help="segment size of the benchmark's store")
     parser.add_argument("--connections", type=positive_int, default=4, help="TCP connections per store")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="tcp",
+        help="data path to measure: tcp, shm (same node) or rdma (KVPOOL_VERBS=fake without a device)",
+    )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -63,8 +78,9 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
     # One page-aligned mapping, as the ceiling's buffer is (ceiling.prefaulted says why it matters).
     region = prefaulted(size * batch)
     buffers = [region[i * size : (i + 1) * size] for i in range(batch)]
-    for i, buf in enumerate(buffers):
-        buf[:8] = i.to_bytes(8, "little")
+    region[:] = os.urandom(len(region))
+    check_region = prefaulted(size * batch)
+    checks = [check_region[i * size : (i + 1) * size] for i in range(batch)]
     latencies: list[float] = []
     moved = 0
     busy = 0.0
@@ -87,6 +103,7 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
         latencies.append(elapsed)
         busy += elapsed
         moved += size * batch
+        _verify(client, keys, buffers, checks)
         client.batch_remove(keys, force=True)
     return Row(
         op,
@@ -96,6 +113,17 @@ def _measure(client: object, op: str, size: int, batch: int, seconds: float) -> 
         _percentile(latencies, 0.5) * 1e6,
         _percentile(latencies, 0.99) * 1e6,
     )
+
+
+def _verify(client: object, keys: list[str], sources: list[memoryview], checks: list[memoryview]) -> None:
+    """Read every value back (untimed) and compare it byte for byte with what was written."""
+    from kvpool.client import PoolClient
+
+    assert isinstance(client, PoolClient)
+    codes = client.batch_get_into(keys, checks)
+    bad = [k for k, c, src, got in zip(keys, codes, sources, checks, strict=True) if c != len(src) or got != src]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(keys)} values read back wrong, e.g. {bad[0]}")
 
 
 def _median_row(rows: list[Row]) -> Row:
@@ -110,14 +138,21 @@ def _median_row(rows: list[Row]) -> Row:
     )
 
 
-def measure(master: str, sizes: list[int], seconds: float, runs: int, connections: int) -> dict[str, object]:
+def measure(
+    master: str, sizes: list[int], seconds: float, runs: int, connections: int, transport: str = "tcp"
+) -> dict[str, object]:
     from kvpool.client import ClientConfig, PoolClient
     from kvpool.tools.ceiling import measure_memcpy, measure_tcp_ceiling
 
     ceilings = {size: statistics.median(measure_tcp_ceiling(size, seconds) for _ in range(runs)) for size in sizes}
     memcpy = statistics.median(measure_memcpy(max(sizes)) for _ in range(runs))
     rows: list[Row] = []
-    config = ClientConfig(master=master, use_shm=False, connections_per_store=connections)
+    config = ClientConfig(
+        master=master,
+        use_shm=transport == "shm",
+        use_rdma=transport == "rdma",
+        connections_per_store=connections,
+    )
     with PoolClient(config=config) as client:
         _measure(client, "get", 1 << 20, 8, 0.2)  # warm connections and the segment
         for size in sizes:
@@ -125,13 +160,25 @@ def measure(master: str, sizes: list[int], seconds: float, runs: int, connection
                 for op in ("put", "get"):
                     row = _median_row([_measure(client, op, size, batch, seconds) for _ in range(runs)])
                     row.ratio_to_ceiling = row.gbps / ceilings[size] if ceilings[size] else 0.0
+                    row.transport = transport
                     rows.append(row)
                     print(
                         f"  {op} {size >> 10:>5} KiB x{batch:<4} {row.gbps:6.2f} GB/s  "
                         f"{row.ratio_to_ceiling:4.2f} x ceiling  p50 {row.p50_us:8.0f} us",
                         file=sys.stderr,
                     )
+        counters = client.metrics()
+        rdma = client._transports.transport("rdma")  # noqa: SLF001 - the benchmark reads the transport's figure
+        post_us = rdma.post_us_per_wr() if isinstance(rdma, RdmaTransport) else None
+    by_transport = {name: counters.get(f"bytes_{name}", 0) for name in TRANSPORTS}
+    total = sum(by_transport.values())
+    if total and by_transport[transport] < 0.95 * total:
+        share = by_transport[transport] / total
+        print(f"  WARNING: only {share:.0%} of the bytes went over {transport}", file=sys.stderr)
     return {
+        "transport": transport,
+        "bytes_by_transport": by_transport,
+        **({"post_us_per_wr": post_us} if transport == "rdma" else {}),
         "ceiling_tcp_gbps": max(ceilings.values()),
         "ceilings": {str(size): gbps for size, gbps in ceilings.items()},
         "memcpy_gbps": memcpy,
@@ -150,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(stores=1, store_size=args.store_size).start()
         master = cluster.master
     try:
-        doc = measure(master, sizes, args.seconds, args.runs, args.connections)
+        doc = measure(master, sizes, args.seconds, args.runs, args.connections, args.transport)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -158,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc))
     else:
         print(f"TCP ceiling {doc['ceiling_tcp_gbps']:.2f} GB/s, memcpy {doc['memcpy_gbps']:.2f} GB/s")
+        print(f"transport {doc['transport']}, bytes by transport {doc['bytes_by_transport']}")
+        if "post_us_per_wr" in doc:
+            print(f"post_us_per_wr {doc['post_us_per_wr']}")
         print(f"{'op':<4} {'size':>9} {'batch':>5} {'GB/s':>7} {'x ceil':>7} {'p50 us':>9} {'p99 us':>9}")
         for r in doc["results"]:  # type: ignore[attr-defined]
             print(

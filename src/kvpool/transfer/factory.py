@@ -12,13 +12,84 @@ then RDMA (it only claims replicas whose store advertised RDMA), then TCP, which
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import get_logger, log_once
 from kvpool.transfer.base import Transport
 from kvpool.transfer.verbs import NO_RDMA_LOG_KEY, Verbs, VerbsError, discover_devices
 
+if TYPE_CHECKING:
+    from kvpool.transfer.rdma_memory import SegmentMemory
+    from kvpool.transfer.rdma_responder import RdmaResponder
+
 logger = get_logger(__name__)
+
+
+def default_verbs() -> Verbs | None:
+    """The verbs provider this process uses: the cross-process FAKE NIC when ``KVPOOL_VERBS=fake``, else None
+    (pyverbs, real devices)."""
+    from kvpool.transfer.verbs_fake_ipc import IpcFakeVerbs, fake_requested
+
+    if fake_requested():
+        logger.info("RDMA through the FAKE NIC (KVPOOL_VERBS=fake): for tests only")
+        return IpcFakeVerbs()
+    return None
+
+
+def select_devices(spec: str, available: list[str]) -> list[str]:
+    """The devices a ``--rdma-device`` value names: ``auto`` = every one found, ``off`` = none, else a list."""
+    spec = spec.strip()
+    if spec in ("", "off"):
+        return []
+    if spec == "auto":
+        return list(available)
+    wanted = [d.strip() for d in spec.split(",") if d.strip()]
+    missing = [d for d in wanted if d not in available]
+    if missing:
+        _no_rdma(f"device {', '.join(missing)} not found (have {', '.join(available) or 'none'})")
+    return [d for d in wanted if d in available]
+
+
+def make_responder(
+    spec: str,
+    segments: Mapping[int, SegmentMemory],
+    secrets_by_segment: Mapping[int, bytes],
+    *,
+    gid_index: int = 0,
+    verbs: Verbs | None = None,
+) -> RdmaResponder | None:
+    """The store's RDMA responder on the first device ``spec`` selects, or None - logged once - without RDMA.
+
+    Call after the segment is bound and prefaulted: registration pins its pages.
+    """
+    if spec.strip() == "off":
+        logger.info("RDMA off (--rdma-device off): clients use TCP")
+        return None
+    verbs = verbs if verbs is not None else default_verbs()
+    devices = select_devices(spec, discover_devices(verbs))
+    if not devices:
+        return None
+    from kvpool.transfer.rdma_responder import RdmaResponder
+    from kvpool.transfer.verbs import PyverbsVerbs
+
+    try:
+        responder = RdmaResponder(
+            verbs if verbs is not None else PyverbsVerbs(),
+            segments,
+            secrets_by_segment,
+            device=devices[0],
+            gid_index=gid_index,
+            windows=True,
+        )
+    except (KvPoolError, VerbsError, ImportError) as exc:
+        _no_rdma(f"cannot serve RDMA on {devices[0]}: {exc}")
+        return None
+    if len(devices) > 1:
+        logger.warning("RDMA: serving on %s only; more than one device per store is not supported yet", devices[0])
+    logger.info("RDMA responder on %s (%d segments)", responder.device, len(segments))
+    return responder
 
 
 def make_transports(
@@ -49,7 +120,11 @@ def make_transports(
             transports.append(shm)
     if prefer_rdma:
         rdma = make_rdma_transport(
-            verbs=verbs, device=rdma_device, gid_index=gid_index, max_mr_bytes=max_mr_bytes, token=token
+            verbs=verbs if verbs is not None else default_verbs(),
+            device=rdma_device,
+            gid_index=gid_index,
+            max_mr_bytes=max_mr_bytes,
+            token=token,
         )
         if rdma is not None:
             transports.append(rdma)
@@ -90,6 +165,7 @@ def make_rdma_transport(
             max_mr_bytes,
             gid_index=gid_index,
             token=token,
+            discover=True,
         )
     except (KvPoolError, VerbsError, ImportError) as exc:
         _no_rdma(f"cannot open {device or devices[0]}: {exc}")

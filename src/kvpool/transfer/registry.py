@@ -5,6 +5,7 @@ concurrently and returns the codes in request order.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import GrantOp
 from kvpool.transfer.base import Replica, TransferRequest, Transport
+
+_PATH_FAILURES = frozenset({ErrorCode.TRANSFER_FAILED, ErrorCode.CONNECTION_FAILED})
 
 
 class TransportSet:
@@ -22,6 +25,9 @@ class TransportSet:
             raise ValueError("a TransportSet needs at least one transport")
         self._transports = list(transports)
         self._node = node
+        self._bytes_lock = threading.Lock()
+        self._bytes: dict[str, int] = {"rdma": 0, "tcp": 0, "shm": 0}
+        """Payload bytes moved OK, by the name of the transport that moved them (metrics: bytes_<name>)."""
 
     @classmethod
     def default(cls, config: Any, node: str) -> TransportSet:
@@ -67,7 +73,10 @@ class TransportSet:
         if len(groups) == 1:
             # One transport serves the whole batch: its own transfer() has the faster single-batch path.
             transport = self._transports[next(iter(groups))]
-            return _verified(transport, requests, transport.transfer(requests, deadline))
+            codes = self._counted(
+                transport, requests, _verified(transport, requests, transport.transfer(requests, deadline))
+            )
+            return self._fall_back(requests, codes, [transport.name] * len(requests), deadline)
         # Submit every group first, then wait: transports run concurrently.
         batches = []
         for t, positions in groups.items():
@@ -75,9 +84,50 @@ class TransportSet:
             batches.append((self._transports[t], positions, group, self._transports[t].submit(group, deadline)))
         codes = [ErrorCode.INTERNAL] * len(requests)
         for transport, positions, group, batch in batches:
-            for position, code in zip(positions, _verified(transport, group, batch.wait(deadline)), strict=True):
+            group_codes = self._counted(transport, group, _verified(transport, group, batch.wait(deadline)))
+            for position, code in zip(positions, group_codes, strict=True):
                 codes[position] = code
+        served = [""] * len(requests)
+        for t, positions in groups.items():
+            for position in positions:
+                served[position] = self._transports[t].name
+        return self._fall_back(requests, codes, served, deadline)
+
+    def _fall_back(
+        self, requests: Sequence[TransferRequest], codes: list[ErrorCode], served: list[str], deadline: Deadline
+    ) -> list[ErrorCode]:
+        """Requests a one-sided transport lost to its path (a broken QP takes every request on it) go once
+        more over the last transport (TCP), where the store checks each one itself."""
+        last = self._transports[-1]
+        retry = [i for i, code in enumerate(codes) if code in _PATH_FAILURES and served[i] == "rdma"]
+        if not retry or deadline.expired() or last.name == "rdma":
+            return codes
+        group = [requests[i] for i in retry]
+        for i, code in zip(
+            retry, self._counted(last, group, _verified(last, group, last.transfer(group, deadline))), strict=True
+        ):
+            codes[i] = code
         return codes
+
+    def _counted(
+        self, transport: Transport, requests: Sequence[TransferRequest], codes: list[ErrorCode]
+    ) -> list[ErrorCode]:
+        moved = sum(r.replica.length for r, c in zip(requests, codes, strict=True) if c == ErrorCode.OK)
+        with self._bytes_lock:
+            self._bytes[transport.name] = self._bytes.get(transport.name, 0) + moved
+        return codes
+
+    def bytes_by_transport(self) -> dict[str, int]:
+        """Payload bytes moved OK so far, per transport name (rdma, tcp, shm)."""
+        with self._bytes_lock:
+            return dict(self._bytes)
+
+    def transport_names(self) -> list[str]:
+        return [t.name for t in self._transports]
+
+    def transport(self, name: str) -> Transport | None:
+        """The transport called ``name`` (benchmarks read its own figures), if this set has one."""
+        return next((t for t in self._transports if t.name == name), None)
 
     def register_memory(self, buffer: memoryview) -> None:
         for transport in self._transports:

@@ -275,6 +275,19 @@ class DeviceContext(ABC):
     @abstractmethod
     def create_cq(self, depth: int) -> CompletionQueue: ...
 
+    @property
+    def supports_windows(self) -> bool:
+        """Whether :meth:`bind_window` works here (type-2 memory windows)."""
+        return False
+
+    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> MemoryRegion:
+        """A type-2 memory window over [addr, addr+length) of ``mr``, usable only through ``qp`` with
+        ``access``: its ``rkey`` reaches that range alone, and ``close()`` invalidates it at once."""
+        raise VerbsError(f"{self.name}: memory windows are not supported by this verbs layer", errno.EOPNOTSUPP)
+
+    def flush_windows(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
+        """Make the window binds and invalidations before this call take effect (a batch of them at once)."""
+
     @abstractmethod
     def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> QueuePair: ...
 

@@ -213,7 +213,8 @@ class FakeContext(DeviceContext):
 
     def forget_mr(self, mr: FakeMR) -> None:
         with self.fabric.lock:
-            self._by_lkey.pop(mr.lkey, None)
+            if mr.bound_qp is None:
+                self._by_lkey.pop(mr.lkey, None)
             self._by_rkey.pop(mr.rkey, None)
 
     def local_mr(self, lkey: int, addr: int, length: int) -> FakeMR | None:
@@ -223,6 +224,23 @@ class FakeContext(DeviceContext):
     def remote_mr(self, rkey: int, addr: int, length: int) -> FakeMR | None:
         mr = self._by_rkey.get(rkey)
         return mr if mr is not None and mr.covers(addr, length) else None
+
+    @property
+    def supports_windows(self) -> bool:
+        return True
+
+    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> FakeMR:
+        """A type-2 memory window: a fresh rkey over a sub-range of ``mr``, valid only through ``qp``."""
+        with self.fabric.lock:
+            self._check_open()
+            if not isinstance(mr, FakeMR) or mr.ctx is not self or not mr.covers(addr, length) or length <= 0:
+                raise VerbsError(f"cannot bind a window of {length} bytes at {addr:#x}", errno.EINVAL)
+            if not isinstance(qp, FakeQP) or qp.ctx is not self or qp.closed:
+                raise VerbsError("the window's QP belongs to another context", errno.EINVAL)
+            window = FakeMR(self, addr, length, access, 0, self.fabric.new_key())
+            window.bound_qp = qp.qp_num
+            self._by_rkey[window.rkey] = window
+            return window
 
     def create_cq(self, depth: int) -> FakeCQ:
         self._check_open()
@@ -262,6 +280,8 @@ class FakeMR(MemoryRegion):
         self.access = access
         self.lkey = lkey
         self.rkey = rkey
+        self.bound_qp: int | None = None
+        """For a memory window: the only QP (of this context) through which its rkey works."""
         self.closed = False
 
     def covers(self, addr: int, length: int) -> bool:
@@ -416,6 +436,8 @@ class FakeQP(QueuePair):
             return WcStatus.RETRY_EXC_ERR  # nobody answers on the other end: the retries run out
         need = Access.REMOTE_READ if wr.opcode == Opcode.RDMA_READ else Access.REMOTE_WRITE
         remote = peer.ctx.remote_mr(wr.rkey, wr.remote_addr, wr.length)
+        if remote is not None and remote.bound_qp not in (None, peer.qp_num):
+            remote = None  # a window bound to another QP does not exist for this one
         if not peer.access & need or remote is None or not remote.access & need:
             peer.force_error()  # an access violation kills the responder's QP as well
             return WcStatus.REM_ACCESS_ERR

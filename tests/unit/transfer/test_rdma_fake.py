@@ -9,7 +9,6 @@ refusals). What it cannot cover - real NIC behaviour - is tests/integration/test
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import mmap
 import os
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvpool.common import log as log_module
+from kvpool.common.auth import TokenChecker
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, new_secret, sign
@@ -86,6 +86,7 @@ class ControlServer:
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._conns: list[socket.socket] = []
         self._stopping = False
+        self.records = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -102,19 +103,23 @@ class ControlServer:
 
     def _serve(self, conn: socket.socket) -> None:
         conn_id = conn  # what revoke() hands back, so that we can close it
+        handshake = TokenChecker(self.token).handshake("data")
         verified = False
         try:
             while True:
                 head = frames.recv_header(conn)
                 payload = bytes(frames.recv_exact(conn, head.length))
                 if head.op == Op.HELLO:
-                    verified = bool(self.token) and hmac.compare_digest(self.token, payload)
-                    status, body = (ErrorCode.OK if verified else ErrorCode.AUTH_FAILED), b""
+                    status, body, _ = handshake.answer(payload)
+                    verified = bool(self.token) and handshake.done
                 elif head.op == Op.RDMA_CONNECT and self.responder is not None:
                     if self.token and not verified:
                         status, body = ErrorCode.AUTH_FAILED, b""
                     else:
                         status, body = self.responder.handle_connect(payload, conn_id=conn_id, token_verified=verified)
+                elif head.op == Op.RECORD and self.responder is not None:
+                    self.records += 1  # the real data plane checks the grant and records the object
+                    status, body = ErrorCode.OK, b""
                 else:
                     conn.sendall(frames.pack_header(head.op, head.req_id, 0, ErrorCode.UNKNOWN_OP))
                     return
