@@ -149,6 +149,7 @@ _MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.OUT_OF_BOUNDS: "the request names a range outside the segment or its grant",
     ErrorCode.BAD_FRAME: "a malformed frame (the connection was closed)",
     ErrorCode.AUTH_FAILED: "the token or grant does not verify (check --token-file / KVPOOL_TOKEN_FILE)",
+    ErrorCode.AUTH_VERSION_MISMATCH: "the peer runs a kvpool whose token handshake differs (upgrade the older side)",
     ErrorCode.GRANT_EXPIRED: "the data-plane grant has expired",
     ErrorCode.CONNECTION_FAILED: "the connection to a store failed",
     ErrorCode.UNKNOWN_OP: "the peer does not know this operation (a version mismatch?)",
