@@ -231,7 +231,7 @@ def test_master_memory_stays_bounded_under_a_flood(
     peak = before
     while time.monotonic() < deadline:  # the master reads what it will; sample its memory meanwhile
         peak = max(peak, rss_anon(master.pid))
-        time.sleep(0.1)
+        time.sleep(0.1)  # paces the memory samples over a fixed window
     print(
         f'\nRELIABILITY {{"fault": "master framed flood{" without the token" if with_token else ""}", '
         f'"connections": {FLOOD_CONNECTIONS}, '
