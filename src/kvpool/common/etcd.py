@@ -387,6 +387,12 @@ class EtcdClient:
         ttl, _ = self._call("lease_keepalive", attempt, timeout)
         return max(0, ttl)
 
+    def keep_lease(
+        self, ttl_s: float, on_lost: Callable[[], None] | None = None, *, name: str = "lease"
+    ) -> LeaseKeeper:
+        """A :class:`LeaseKeeper` on this client, not yet started (the ``Coordinator`` way to hold a lease)."""
+        return LeaseKeeper(self, ttl_s, on_lost, name=name)
+
     def lease_time_to_live(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Whole seconds left on a lease, without renewing it; -1 if the lease does not exist (any more)."""
         req = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
