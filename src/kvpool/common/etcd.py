@@ -1,7 +1,7 @@
 """A small synchronous etcd v3 client: KV, compare-and-swap transactions, leases and resumable watches.
 
 Why our own client: the maintained Python etcd clients either pin an old protobuf gencode, put proto
-directories on ``sys.path``, or have no multi-endpoint failover (reference/environment.md, section 2).
+directories on ``sys.path``, or have no multi-endpoint failover.
 This wrapper drives the vendored stubs in ``kvpool.proto.etcd``.
 
 Failure model (the lessons of Mooncake's HA, e.g. its issue #2253 where a frozen etcd member hung the master):

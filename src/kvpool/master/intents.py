@@ -1,4 +1,4 @@
-"""Durable operator intents (cluster config, drain jobs) kept in etcd, not in master memory (DESIGN.md 4).
+"""Durable operator intents (cluster config, drain jobs) kept in etcd, not in master memory (decision 0004).
 
 Each intent is a JSON object under ``/kvpool/<cluster>/intents/<kind>/<name>``. Whoever leads reads them
 after a failover and carries on; updates are compare-and-put on the etcd mod_revision, so two writers (an

@@ -1,4 +1,4 @@
-"""Master leader election through etcd (DESIGN.md section 4): mechanism only, no master logic.
+"""Master leader election through etcd (docs/decisions/0004-ha-election.md): mechanism only, no master logic.
 
 Protocol, per elector (one per master replica):
 

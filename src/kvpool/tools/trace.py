@@ -8,7 +8,7 @@ A trace is JSONL, one request per line, in arrival order::
 prefix-chained hash remapped to dense ints), so two requests can reuse k blocks exactly when their first k
 ids are equal.
 
-Replay semantics (the ones behind the golden figures in ``/work/shared/traces/README.md``):
+Replay semantics (the ones behind the figures in docs/trace-replay.md):
 
 * a request hits its leading blocks up to the first miss (a prefix hit: KV after a gap is useless);
 * then every block of the request is inserted or touched, in order, in an LRU keyed by block;

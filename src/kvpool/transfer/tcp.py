@@ -1,6 +1,6 @@
 """The TCP transport: the default data path, runs everywhere.
 
-Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncake-store.md §4):
+Shape (docs/architecture.md, "Data plane and grants", and the lessons from Mooncake's TCP path):
 
 * **Lanes.** Each endpoint (a store's ``host:port``) gets up to ``connections_per_endpoint`` lanes; a lane
   is one persistent connection with its own thread and an unbounded queue of jobs. Lanes are created
