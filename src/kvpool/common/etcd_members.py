@@ -61,9 +61,9 @@ class _EndpointSet:
 
     Why not one channel with every address and gRPC's round_robin: a SIGSTOPped member keeps its TCP
     connections looking healthy (the kernel even accepts new ones), so round_robin keeps giving it a share of
-    the calls forever, each paying a full attempt timeout (measured: every third call, for as long as the
-    member stayed frozen, keepalive or not). Here a member that failed an attempt is quarantined (1 s,
-    doubling while it keeps failing, up to 30 s) and not used while another one is available.
+    the calls forever, each paying a full attempt timeout (docs/decisions/0050-measurements.md). Here a
+    member that failed an attempt is quarantined (1 s, doubling while it keeps failing, up to 30 s) and
+    not used while another one is available.
     """
 
     _BASE_COOLDOWN = 1.0

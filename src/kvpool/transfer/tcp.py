@@ -1285,7 +1285,7 @@ class TcpTransport(Transport):
 
     def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
         """``submit`` + ``wait``, with the calling thread moving one job itself instead of waking a lane
-        thread for it (it would block in ``wait`` anyway): ~15 us less per small request. A lone
+        thread for it (it would block in ``wait`` anyway; docs/decisions/0050-measurements.md). A lone
         single-part request (a single get) skips the batch machinery altogether when a lane is idle."""
         if len(requests) == 1:
             code = self._transfer_one(requests[0], deadline)
