@@ -45,7 +45,7 @@ def nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
 
 
 def store_objects(cluster: LocalCluster) -> dict[str, int]:
-    """Objects in each store's own inventory, by node (from the store's ``/health``)."""
+    """Objects in the stores' own inventories (from each store's ``/health``), summed by node."""
     counts: dict[str, int] = {}
     for store in cluster.stores:
         url = f"http://{store.endpoints['metrics']}/health"
@@ -54,7 +54,7 @@ def store_objects(cluster: LocalCluster) -> dict[str, int]:
                 body = answer.read()
         except urllib.error.HTTPError as unmounted:  # 503 while not mounted: the body still counts
             body = unmounted.read()
-        counts[store.node] = int(json.loads(body)["objects"])
+        counts[store.node] = counts.get(store.node, 0) + int(json.loads(body)["objects"])
     return counts
 
 
