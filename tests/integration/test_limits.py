@@ -43,7 +43,7 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 def rss_anon(pid: int) -> int:
     """Private resident memory of ``pid`` (bytes): the heap and stacks, not the shared segment."""
-    for line in open(f"/proc/{pid}/status").read().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no RssAnon")
