@@ -20,7 +20,8 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.tools.bench_failover import wait_for_leader
 from kvpool.tools.etcd_process import etcd_binary
 from kvpool.tools.local_cluster import LocalCluster
-from tests.support.drain import Load, nodes
+from tests.support.drain import Load, inventories_settled, nodes
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd, pytest.mark.integration]
 
@@ -46,7 +47,7 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
     drain: subprocess.Popen[str] | None = None
     try:
         load.fill(4500, "pre")
-        time.sleep(1.5)  # every inventory entry is reported; free notifications settle
+        wait_for(lambda: not inventories_settled(cluster), 30, "every store inventory to match the master")
         on_a = nodes(cluster)["node-a"]["objects"]
         assert on_a > 800
         endpoints = [m.address for m in cluster.masters]
@@ -72,13 +73,14 @@ def test_leader_sigkill_mid_drain(make_cluster: Callable[..., LocalCluster]) -> 
         )
         # Kill the leader as soon as the drain is under way (some objects moved, most not).
         probe = MasterClient(old)
-        deadline = time.monotonic() + 30
-        at_kill = None
-        while time.monotonic() < deadline:
-            at_kill = _drain_status(probe, "node-a")
-            if at_kill is not None and at_kill.objects_moved > 0:
-                break
-            time.sleep(0.01)
+        seen: list[pb.DrainJobStatus | None] = [None]
+
+        def under_way() -> bool:
+            seen[0] = _drain_status(probe, "node-a")
+            return seen[0] is not None and seen[0].objects_moved > 0
+
+        wait_for(under_way, 30, "the drain to move its first objects")
+        at_kill = seen[0]
         assert at_kill is not None, "the drain did not start"
         assert at_kill.objects_moved > 0, "the drain did not start"
         cluster.kill(old_info)

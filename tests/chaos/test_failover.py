@@ -17,6 +17,8 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.tools.bench_failover import Workload, run_failover, serving_leader, wait_for_leader
 from kvpool.tools.etcd_process import etcd_binary
 from kvpool.tools.local_cluster import LocalCluster
+from tests.support.drain import inventories_settled
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd, pytest.mark.integration]
 
@@ -54,7 +56,8 @@ def test_all_masters_killed_and_restarted(ha_cluster: LocalCluster) -> None:
     workload = Workload(ha_cluster.master, 8 << 10)
     try:
         workload.write(300, "all")
-        time.sleep(1.1)
+        written = time.monotonic()
+        wait_for(lambda: not inventories_settled(ha_cluster), 30, "every store inventory to match the master")
         masters = list(ha_cluster.masters)
         for master in masters:
             ha_cluster.kill(master)
@@ -62,7 +65,7 @@ def test_all_masters_killed_and_restarted(ha_cluster: LocalCluster) -> None:
         restarted = [ha_cluster.restart(m) for m in masters]
         leader = wait_for_leader([m.address for m in restarted], 30.0)
         assert leader
-        checked, good, wrong = workload.verify_until(t0 - 1.0, 0.99, 20.0)
+        checked, good, wrong = workload.verify_until(written, 0.99, 20.0)
         print(
             f"\nall masters restarted: leader after {time.monotonic() - t0:.2f} s, "
             f"{good}/{checked} objects back, {wrong} wrong"

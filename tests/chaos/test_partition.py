@@ -64,13 +64,14 @@ def _workload(pair: NetnsPair, master: str, out: Path, seconds: float, prefix: s
         "--out",
         str(out),
     ]
-    return subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(out.with_suffix(".log"), "wb"),
-        start_new_session=True,
-    )  # noqa: SIM115
+    with open(out.with_suffix(".log"), "wb") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
 
 
 def _result(proc: subprocess.Popen[bytes], out: Path, timeout: float) -> WorkloadResult:

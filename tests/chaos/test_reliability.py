@@ -203,6 +203,9 @@ def killable() -> Iterator[list[subprocess.Popen[str]]]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
 
 
 def test_writer_killed_between_put_start_and_put_end(

@@ -59,7 +59,7 @@ def test_hinted_reads_never_return_another_objects_bytes(make_cluster: Callable[
         end = time.monotonic() + SECONDS
         try:
             while time.monotonic() < end:
-                time.sleep(0.5)
+                time.sleep(0.5)  # paces the generations of the writer: a load, not a wait for a state
                 generation += 1
                 for i in range(0, LIVE, 2):  # replace half of the objects, one by one
                     old, new = keys[i], f"gen{generation}-{i}"

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 is installed with ``--no-deps`` (scripts/install-conformance-deps.sh): its ``__init__.py``
 imports half of its ~70 GPU dependencies, but the storage interface (``hicache_storage.py``,
-``storage/backend_factory.py``) needs only torch. Recipe A of shared/reference/sglang-hicache.md §2:
+``storage/backend_factory.py``) needs only torch. The recipe (docs/sglang.md):
 register a bare ``sglang`` package whose ``__path__`` is the installed one, so ``sglang/__init__.py``
 never runs while the real submodules (and the real ``HiCacheStorage`` class) load. In a real SGLang
 process sglang is imported already and the shim does nothing.

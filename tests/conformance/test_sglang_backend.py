@@ -23,7 +23,7 @@ import pytest
 from kvpool.common.keys import page_keys
 from kvpool.tools.local_cluster import LocalCluster
 from tests.conformance.sglang_shim import install_light_sglang, require
-from tests.support.cluster import client
+from tests.support.cluster import client, wait_for
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
@@ -420,10 +420,7 @@ def test_master_down_gives_fast_misses(sgl: SimpleNamespace, tmp_path: Path) -> 
                 assert backend.batch_set_v1(hashes(1, seed=12), host.pages(0, 1)) == [False]
                 assert time.monotonic() - start < 1.0
             cluster.restart(master)
-            deadline = time.monotonic() + 30
-            while backend.batch_exists(keys) != 4 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert backend.batch_exists(keys) == 4  # back after the store re-mounted
+            wait_for(lambda: backend.batch_exists(keys) == 4, 30, "the keys back after the store re-mounted")
         finally:
             backend.close()
     finally:

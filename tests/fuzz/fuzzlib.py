@@ -8,8 +8,6 @@ one input per file, ``#`` comments allowed) and replayed by every run.
 from __future__ import annotations
 
 import struct
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -44,14 +42,6 @@ def corpus(target: str) -> list[tuple[str, bytes]]:
         text = "".join(line.split("#", 1)[0] for line in path.read_text().splitlines())
         out.append((path.name, bytes.fromhex("".join(text.split()))))
     return out
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------- mutations of valid inputs

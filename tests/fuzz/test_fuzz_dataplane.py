@@ -33,7 +33,8 @@ from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits
 from kvpool.store.segment import ShmSegment
-from tests.fuzz.fuzzlib import corpus, examples, mutated, wait_until
+from tests.fuzz.fuzzlib import corpus, examples, mutated
+from tests.support.wait import wait_for
 
 SEG_SIZE = 4 << 20
 TOKEN = b"fuzz-token-0123456789"
@@ -198,7 +199,7 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 
 def check_invariants(t: Target) -> None:
     still_serves(t)
-    wait_until(lambda: t.server.statistics().connections == 0, 10.0, "every connection to close")
+    wait_for(lambda: t.server.statistics().connections == 0, 10.0, "every connection to close")
     t.outside_writes_intact()
 
 
@@ -230,5 +231,5 @@ def test_refusals_are_counted_when_a_token_is_required(target: Target) -> None:
     before = target.server.auth.refused_by_plane.get("data", 0)
     converse(target.server.port, [frame(Op.PING)])  # no HELLO
     converse(target.server.port, [frame(Op.HELLO, b"wrong")])  # not even the handshake's version
-    wait_until(lambda: target.server.auth.refused_by_plane.get("data", 0) == before + 2, 5.0, "2 refusals")
+    wait_for(lambda: target.server.auth.refused_by_plane.get("data", 0) == before + 2, 5.0, "2 refusals")
     check_invariants(target)

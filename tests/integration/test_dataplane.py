@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from kvpool.proto.frames import (
 from kvpool.store.dataplane import DataPlaneServer
 from kvpool.store.inventory import Inventory, InventoryEntry
 from kvpool.store.segment import ShmSegment
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -49,14 +50,6 @@ SEG_SIZE = 8 << 20
 
 
 # ---------------------------------------------------------------------- helpers
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 @functools.cache
 def pattern(size: int) -> np.ndarray:
     """A fixed, non-repeating-looking fill (computed once per size; callers must not modify it)."""
@@ -121,7 +114,7 @@ def make_store(tmp: Path, **kwargs: object) -> Store:
 def close_store(store: Store, threads_before: int) -> None:
     store.server.stop()
     assert store.server.statistics().connections == 0
-    wait_until(lambda: threading.active_count() <= threads_before, what="server threads to end")
+    wait_for(lambda: threading.active_count() <= threads_before, 5.0, "server threads to end")
     store.segment.close()
 
 
@@ -131,7 +124,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s = make_store(tmp_path, stall_timeout_s=1.0)
     try:
         yield s
-        wait_until(lambda: s.server.statistics().connections == 0, what="connections to close")
+        wait_for(lambda: s.server.statistics().connections == 0, 5.0, "connections to close")
         s.assert_untouched_outside_grants()
     finally:
         close_store(s, before)
@@ -721,7 +714,7 @@ def test_truncated_frame_then_disconnect(store: Store) -> None:
         with Raw(store.port) as c:
             desc = write_desc(g, 1000)
             c.send((c.header(Op.WRITE, len(desc) + 1000) + desc)[:cut])
-    wait_until(lambda: store.server.statistics().connections == 0, what="truncated connections to close")
+    wait_for(lambda: store.server.statistics().connections == 0, 5.0, "truncated connections to close")
     fresh_round_trip(store)
 
 
@@ -740,7 +733,7 @@ def test_client_disconnects_mid_write(store: Store) -> None:
     with Raw(store.port) as c:
         desc = write_desc(g, size)
         c.send(c.header(Op.WRITE, len(desc) + size) + desc + os.urandom(size // 2))
-    wait_until(lambda: store.server.statistics().connections == 0, what="the connection to end")
+    wait_for(lambda: store.server.statistics().connections == 0, 5.0, "the connection to end")
     assert store.inventory.entries(store.segment.id) == []  # never fully written
     fresh_round_trip(store)
 
@@ -752,7 +745,7 @@ def test_client_disconnects_mid_read(store: Store) -> None:
         desc = write_desc(store.grant(GrantOp.READ, 0, size), size)
         c.send(c.header(Op.READ, len(desc)) + desc)
         c.recv_exact(HEADER_SIZE + 1000)
-    wait_until(lambda: store.server.statistics().connections == 0, what="the connection to end")
+    wait_for(lambda: store.server.statistics().connections == 0, 5.0, "the connection to end")
     fresh_round_trip(store)
 
 
@@ -778,7 +771,7 @@ def test_too_many_connections(tmp_path: Path) -> None:
                 assert status == ErrorCode.TOO_MANY_CONNECTIONS
                 assert c.is_closed_by_peer()
             assert s.server.statistics().connections_rejected == 1
-        wait_until(lambda: s.server.statistics().connections == 0)
+        wait_for(lambda: s.server.statistics().connections == 0, 5.0, "connections to close")
         with Raw(s.port) as c:
             assert c.ping() == ErrorCode.OK
     finally:
@@ -808,7 +801,7 @@ def test_statistics_count_requests_bytes_and_errors(store: Store) -> None:
         stats = store.server.statistics()
         assert stats.connections == 1
     store.expected[:1000] = ord("a")
-    wait_until(lambda: store.server.statistics().connections == 0)
+    wait_for(lambda: store.server.statistics().connections == 0, 5.0, "the connection to end")
     stats = store.server.statistics()
     assert (stats.requests, stats.bytes_written, stats.bytes_read) == (3, 1000, 600)
     assert stats.errors == {"GRANT_EXPIRED": 1}
@@ -851,7 +844,7 @@ def test_random_bytes_on_the_data_port(fuzz_store: Store, data: bytes) -> None:
         c.send(data)
         c.sock.shutdown(socket.SHUT_WR)  # no more bytes: the server must not wait for them forever
         assert c.is_closed_by_peer(timeout=5)
-    wait_until(lambda: s.server.statistics().connections == 0, what="fuzz connection to end")
+    wait_for(lambda: s.server.statistics().connections == 0, 5.0, "fuzz connection to end")
     fresh_round_trip(s)
     s.granted.append((SEG_SIZE - 4096, 4096))
     s.assert_untouched_outside_grants()

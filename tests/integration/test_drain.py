@@ -34,6 +34,14 @@ def _store(cluster: LocalCluster, node: str) -> object:
     return next(p for p in cluster.stores if p.node == node)
 
 
+def _moves_in_flight(cluster: LocalCluster) -> float:
+    """The master's ``kvpool_drain_moves_in_flight`` gauge."""
+    metrics_url = f"http://{cluster.masters[0].endpoints['metrics']}/metrics"
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    return next(float(line.split()[-1]) for line in lines if line.startswith("kvpool_drain_moves_in_flight "))
+
+
 def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = _cluster(make_cluster, ["node-a", "node-b", "node-c"])
     load = Load(cluster.master, VALUE)
@@ -42,11 +50,12 @@ def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster
         before = nodes(cluster)["node-a"]
         assert before["objects"] > 300, before
         load.start()
-        time.sleep(0.5)
+        wait_for(lambda: load.reads >= 50 and load.writes >= 16, 30, "the load to be under way")
         started = time.monotonic()
         result = admin(cluster, "drain", "node-a", "--wait", "--timeout", "120", "--json")
         wall = time.monotonic() - started
-        time.sleep(0.5)  # reads and writes keep going after the drain too
+        reads, writes = load.reads, load.writes  # reads and writes keep going after the drain too
+        wait_for(lambda: load.reads >= reads + 50 and load.writes >= writes + 16, 30, "the load after the drain")
         load.stop()
         assert result.returncode == 0, result.stderr
         doc = json.loads(result.stdout)
@@ -104,7 +113,7 @@ def test_undrain_reopens_the_node(make_cluster: Callable[..., LocalCluster]) -> 
         assert admin(cluster, "drain-status", "node-a").returncode == 2  # no such job
         assert admin(cluster, "undrain", "node-a").returncode == 2
         # Moves a store was running finish; everything stays readable, and the node takes puts again.
-        time.sleep(0.5)
+        wait_for(lambda: _moves_in_flight(cluster) == 0, 30, "the cancelled drain's moves to finish")
         checked, good, bad = load.verify()
         assert bad == []
         assert good == checked == 600

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,18 +16,9 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.etcd import EtcdClient, EventType, KeyValue, LeaseKeeper, WatchEvent
 from kvpool.master.intents import IntentStore
 from tests.support.etcd_cluster import EtcdCluster, free_port
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.integration]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.01) -> float:
-    """Poll ``cond`` until it holds; returns the seconds it took. Fails the test at the deadline."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-    return time.monotonic() - start
 
 
 class EventLog:
@@ -160,7 +150,7 @@ def test_lease_expiry_and_revoke(client1: EtcdClient) -> None:
     lease = client1.lease_grant(1)
     client1.put("/l/a", "1", lease=lease)
     assert client1.lease_keepalive_once(lease) >= 1
-    took = wait_until(lambda: client1.get("/l/a") is None, 5.0, "the leased key to expire")
+    took = wait_for(lambda: client1.get("/l/a") is None, 5.0, "the leased key to expire")
     print(f"lease of 1 s expired after {took:.2f}s without renewal")
     assert client1.lease_keepalive_once(lease) == 0  # gone
     assert client1.lease_time_to_live(lease) == -1
@@ -182,7 +172,7 @@ def test_lease_keeper_renews_then_reports_revocation(client1: EtcdClient) -> Non
         assert not lost.wait(3.0)
         assert client1.get("/l/kept") is not None
         client1.lease_revoke(lease)
-        took = wait_until(lost.is_set, 3.0, "on_lost after an external revoke")
+        took = wait_for(lost.is_set, 3.0, "on_lost after an external revoke")
         print(f"keeper noticed the revocation after {took:.2f}s")
         assert keeper.lost
     finally:
@@ -197,7 +187,7 @@ def test_lease_keeper_reports_loss_when_etcd_is_gone(etcd1: EtcdCluster) -> None
         try:
             etcd1.kill(0)
             killed = time.monotonic()
-            took = wait_until(lost.is_set, 3.0, "on_lost with etcd down")
+            took = wait_for(lost.is_set, 3.0, "on_lost with etcd down")
             print(f"keeper reported the loss {took:.2f}s after etcd died (ttl 1 s)")
             assert time.monotonic() - killed <= keeper.ttl + 0.5
         finally:
@@ -216,7 +206,7 @@ def test_watch_prefix_events_in_order(client1: EtcdClient) -> None:
         client1.put("/other", "ignored")
         client1.put("/w/a", "2")
         client1.delete("/w/a")
-        wait_until(lambda: len(log.snapshot()) == 3, 5.0, "three events")
+        wait_for(lambda: len(log.snapshot()) == 3, 5.0, "three events")
         events = log.snapshot()
         assert [(e.type, e.kv.key, e.kv.value) for e in events] == [
             (EventType.PUT, "/w/a", b"1"),
@@ -235,13 +225,13 @@ def test_watch_without_start_revision_delivers_current_state(client1: EtcdClient
     log = EventLog()
     watcher = client1.watch("/s/a", None, log)
     try:
-        wait_until(lambda: len(log.snapshot()) == 1, 5.0, "the initial state")
+        wait_for(lambda: len(log.snapshot()) == 1, 5.0, "the initial state")
         first = log.snapshot()[0]
         assert first.synthetic
         assert first.type is EventType.PUT
         assert first.kv.value == b"1"
         client1.delete("/s/a")
-        wait_until(lambda: len(log.snapshot()) == 2, 5.0, "the delete")
+        wait_for(lambda: len(log.snapshot()) == 2, 5.0, "the delete")
         assert log.snapshot()[1].type is EventType.DELETE
         assert not log.snapshot()[1].synthetic
     finally:
@@ -249,7 +239,7 @@ def test_watch_without_start_revision_delivers_current_state(client1: EtcdClient
     log2 = EventLog()
     absent = client1.watch("/s/a", None, log2)
     try:
-        wait_until(lambda: len(log2.snapshot()) == 1, 5.0, "the synthetic delete of an absent key")
+        wait_for(lambda: len(log2.snapshot()) == 1, 5.0, "the synthetic delete of an absent key")
         assert log2.snapshot()[0].type is EventType.DELETE
         assert log2.snapshot()[0].synthetic
     finally:
@@ -264,13 +254,13 @@ def test_watch_from_a_compacted_revision_resyncs(client1: EtcdClient) -> None:
     log = EventLog()
     watcher = client1.watch("/c/k", first, log)  # the history from `first` is gone
     try:
-        wait_until(lambda: len(log.snapshot()) == 1, 5.0, "the resync event")
+        wait_for(lambda: len(log.snapshot()) == 1, 5.0, "the resync event")
         resync = log.snapshot()[0]
         assert resync.synthetic
         assert resync.kv.value == b"v3"
         assert watcher.resyncs == 1
         client1.put("/c/k", "v4")
-        wait_until(lambda: len(log.snapshot()) == 2, 5.0, "the event after the resync")
+        wait_for(lambda: len(log.snapshot()) == 2, 5.0, "the event after the resync")
         assert log.snapshot()[1].kv.value == b"v4"
         assert not log.snapshot()[1].synthetic
     finally:
@@ -285,13 +275,13 @@ def test_watch_resumes_after_its_member_is_killed(etcd3: EtcdCluster) -> None:
         assert watcher.wait_started(5.0)
         for i in range(5):
             client.put(f"/r/{i}", str(i))
-        wait_until(lambda: len(log.snapshot()) == 5, 5.0, "events before the kill")
+        wait_for(lambda: len(log.snapshot()) == 5, 5.0, "events before the kill")
         victim = etcd3.endpoints.index(watcher.endpoint)
         etcd3.kill(victim)
         t0 = time.monotonic()
         for i in range(5, 10):
             client.put(f"/r/{i}", str(i))
-        took = wait_until(lambda: len(log.snapshot()) == 10, 10.0, "events after the kill")
+        took = wait_for(lambda: len(log.snapshot()) == 10, 10.0, "events after the kill")
         print(f"watch resumed on another member {took:.2f}s after its member was killed")
         assert [e.kv.key for e in log.snapshot()] == [f"/r/{i}" for i in range(10)]  # no gap, no repeat
         assert watcher.endpoint != etcd3.endpoints[victim]
@@ -341,7 +331,7 @@ def test_frozen_member_never_hangs_a_call(etcd3: EtcdCluster) -> None:
             print(f"frozen member {frozen}: {sum(ok for _, ok in results)}/15 calls ok, slow ones {slow}")
             assert all(ok for _, ok in results)
             assert len(slow) <= 2  # the frozen member costs one attempt, then it is avoided
-            took = wait_until(lambda: len(log.snapshot()) >= 5, 6.0, "watch events from another member")
+            took = wait_for(lambda: len(log.snapshot()) >= 5, 6.0, "watch events from another member")
             print(f"watch moved off the frozen member; events flowing {took:.2f}s after the calls")
         finally:
             etcd3.cont(frozen)
@@ -369,7 +359,7 @@ def test_failover_between_members(etcd3: EtcdCluster) -> None:
         assert info.value.code is ErrorCode.ETCD_ERROR
         assert time.monotonic() - t0 <= client.timeout + 0.3
         etcd3.restart(1)
-        took = wait_until(lambda: _put_ok(client), 10.0, "writes after a member came back")
+        took = wait_for(lambda: _put_ok(client), 10.0, "writes after a member came back")
         print(f"writes resumed {took:.2f}s after the restart")
 
 

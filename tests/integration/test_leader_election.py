@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,17 +64,9 @@ from kvpool.common.etcd import EtcdClient  # noqa: E402
 from kvpool.common.leader_watch import LeaderWatch, leader_key  # noqa: E402
 from kvpool.master.leader import ElectorState, LeaderElector  # noqa: E402
 from tests.support.etcd_cluster import EtcdCluster  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.etcd, pytest.mark.integration]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout:.1f}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 @dataclass
@@ -159,7 +151,7 @@ def test_exactly_one_leader_and_views_increase(client: EtcdClient, running: list
     t0 = time.monotonic()
     for e in electors:
         e.start()
-    took = wait_until(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
+    took = wait_for(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
     print(f"first leader after {took:.2f}s (includes the {TTL:.0f}s warm-up)")
     assert time.monotonic() - t0 >= TTL  # it warmed up before serving
     leader = leaders(electors)
@@ -177,12 +169,12 @@ def test_exactly_one_leader_and_views_increase(client: EtcdClient, running: list
         d = timeline.count("deposed", old.name)
         client.lease_revoke(old.lease_id)
         revoked = time.monotonic()
-        wait_until(
+        wait_for(
             lambda old=old, d=d: timeline.count("deposed", old.name) > d and old.state is not ElectorState.LEADER,
             2.0,
             "the old leader's on_deposed",
         )
-        wait_until(lambda n=n: timeline.count("elected") == n + 1, TTL + 1 + SLACK, "a new leader")
+        wait_for(lambda n=n: timeline.count("elected") == n + 1, TTL + 1 + SLACK, "a new leader")
         print(f"re-elected {time.monotonic() - revoked:.2f}s after the leader's lease was revoked")
         assert len(leaders(electors)) == 1
     views = timeline.views()
@@ -196,7 +188,7 @@ def test_resign_hands_over_without_warmup(client: EtcdClient, running: list[Lead
     running.extend(electors)
     for e in electors:
         e.start()
-    wait_until(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
+    wait_for(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
     with LeaderWatch(client, "le") as watch:
         first = watch.wait_for_change(None, 2.0)
         assert first is not None
@@ -204,7 +196,7 @@ def test_resign_hands_over_without_warmup(client: EtcdClient, running: list[Lead
         assert first.view == old.view
         t0 = time.monotonic()
         assert old.resign() is True
-        took = wait_until(lambda: timeline.count("elected") == 2, 2.0, "the successor")
+        took = wait_for(lambda: timeline.count("elected") == 2, 2.0, "the successor")
         print(f"handover after resign(): {took:.3f}s (no warm-up needed)")
         assert took < TTL  # the successor did not wait out a TTL
         assert old.state is ElectorState.STOPPED
@@ -223,7 +215,7 @@ def test_stop_of_a_follower_keeps_the_leader(client: EtcdClient, running: list[L
     running.extend(electors)
     for e in electors:
         e.start()
-    wait_until(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
+    wait_for(lambda: timeline.count("elected") == 1, TTL + 1 + SLACK, "the first leader")
     follower = next(e for e in electors if e.state is not ElectorState.LEADER)
     assert follower.resign() is False
     assert timeline.count("deposed") == 0
@@ -246,7 +238,7 @@ def test_leader_keeps_leading_through_an_etcd_member_failure(
         )
         running.append(elector)
         elector.start()
-        wait_until(lambda: elector.is_leader, 2.0 + 1 + SLACK, "the leader")
+        wait_for(lambda: elector.is_leader, 2.0 + 1 + SLACK, "the leader")
         etcd3.kill(etcd3.leader_index())  # etcd elects a new raft leader; our lease must survive
         time.sleep(3.0)  # observe: nothing may happen for longer than the lease TTL
         assert elector.is_leader
@@ -275,7 +267,8 @@ class ChildElector:
         )
         self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
         self.seen: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -307,6 +300,9 @@ class ChildElector:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
         self.proc.wait(10)
+        self._reader.join(10)  # it ends at the pipe's end of file; then the pipe can be closed
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 @pytest.fixture
@@ -358,7 +354,7 @@ def test_frozen_leader_is_deposed_when_it_resumes(
         other.start()
         os.kill(stale.proc.pid, signal.SIGSTOP)
         frozen = time.monotonic()
-        took = wait_until(lambda: timeline.count("elected") == 1, TTL + 0.5 + TTL + SLACK, "a new leader")
+        took = wait_for(lambda: timeline.count("elected") == 1, TTL + 0.5 + TTL + SLACK, "a new leader")
         print(f"leader frozen: replaced after {took:.2f}s")
         new_view = timeline.views()[0]
         assert new_view > old_view

@@ -43,7 +43,7 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 def rss_anon(pid: int) -> int:
     """Private resident memory of ``pid`` (bytes): the heap and stacks, not the shared segment."""
-    for line in open(f"/proc/{pid}/status").read().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no RssAnon")
@@ -231,7 +231,7 @@ def test_master_memory_stays_bounded_under_a_flood(
     peak = before
     while time.monotonic() < deadline:  # the master reads what it will; sample its memory meanwhile
         peak = max(peak, rss_anon(master.pid))
-        time.sleep(0.1)
+        time.sleep(0.1)  # paces the memory samples over a fixed window
     print(
         f'\nRELIABILITY {{"fault": "master framed flood{" without the token" if with_token else ""}", '
         f'"connections": {FLOOD_CONNECTIONS}, '

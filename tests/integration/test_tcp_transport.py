@@ -32,20 +32,13 @@ from kvpool.transfer import tcp
 from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.memcopy import page_aligned
 from kvpool.transfer.tcp import TcpTransport, parse_endpoint, spin_recv_into
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.integration
 
 SEG_SIZE = 48 << 20
 SIZES = [1, 4096, 65_537, 1 << 20, (4 << 20) + 3]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 @dataclass
@@ -116,7 +109,7 @@ def threads_settle() -> Iterator[None]:
     """Every thread started by the test (transport lanes, server connections) is gone afterwards."""
     before = threading.active_count()
     yield
-    wait_until(lambda: threading.active_count() <= before, what="threads to end")
+    wait_for(lambda: threading.active_count() <= before, 5.0, "threads to end")
 
 
 @pytest.fixture
@@ -981,7 +974,7 @@ def test_wait_with_a_shorter_deadline_cancels_and_leaves_the_buffer_alone(
         assert silent.conns, "the lane did connect"
         for c in silent.conns:
             c.setblocking(False)
-        wait_until(lambda: all(_peer_closed(c) for c in silent.conns), what="cancelled connection to close")
+        wait_for(lambda: all(_peer_closed(c) for c in silent.conns), 5.0, "cancelled connection to close")
     finally:
         silent.close()
 
@@ -1043,7 +1036,11 @@ def test_close_ends_every_thread_and_later_submits_fail(store: Store, threads_se
     buf = bytearray(10)
     assert t.transfer([store.request(GrantOp.READ, b"k", 0, memoryview(buf))], Deadline(1)) == [ErrorCode.SHUTTING_DOWN]
     assert store.server is not None
-    wait_until(lambda: store.server is not None and store.server.statistics().connections == 0)
+    wait_for(
+        lambda: store.server is not None and store.server.statistics().connections == 0,
+        5.0,
+        "the connection to end",
+    )
 
 
 # ---------------------------------------------------------------------- a store in another process
@@ -1065,21 +1062,21 @@ sys.stdin.read()
 @pytest.fixture
 def store_process(tmp_path: Path) -> Iterator[tuple[Store, subprocess.Popen[str]]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # leaving the block closes the pipes (warnings are errors: ResourceWarning)
         [sys.executable, "-c", STORE_SCRIPT, str(tmp_path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-    )
-    try:
-        assert proc.stdout is not None
-        info = json.loads(proc.stdout.readline())
-        yield Store(f"127.0.0.1:{info['port']}", info["id"], bytes.fromhex(info["secret"])), proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            info = json.loads(proc.stdout.readline())
+            yield Store(f"127.0.0.1:{info['port']}", info["id"], bytes.fromhex(info["secret"])), proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_a_store_killed_mid_batch_fails_only_that_batch(

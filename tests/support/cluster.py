@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,20 +9,12 @@ import pytest
 
 from kvpool.client import ClientConfig, PoolClient
 from kvpool.tools.local_cluster import LocalCluster
+from tests.support.wait import wait_for
+
+__all__ = ["FAST_MASTER", "client", "cluster", "make_cluster", "wait_for"]  # wait_for: tests/support/wait.py
 
 # Short timings so expiry and reclaim tests finish in seconds.
 FAST_MASTER = ("--store-ttl-s", "2", "--eviction-interval-s", "0.02")
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``predicate`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    if not predicate():
-        raise AssertionError(f"timed out after {timeout:.1f} s waiting for {what}")
 
 
 def client(master: str, **overrides: object) -> PoolClient:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from kvpool.client import ClientConfig, PoolClient
@@ -40,6 +42,35 @@ def admin_json(cluster: LocalCluster, *args: str, timeout: float = 180.0) -> dic
 
 def nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
     return {n["node"]: n for n in admin_json(cluster, "nodes")["nodes"]}
+
+
+def store_objects(cluster: LocalCluster) -> dict[str, int]:
+    """Objects in the stores' own inventories (from each store's ``/health``), summed by node."""
+    counts: dict[str, int] = {}
+    for store in cluster.stores:
+        url = f"http://{store.endpoints['metrics']}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as unmounted:  # 503 while not mounted: the body still counts
+            body = unmounted.read()
+        counts[store.node] = counts.get(store.node, 0) + int(json.loads(body)["objects"])
+    return counts
+
+
+def inventories_settled(cluster: LocalCluster) -> dict[str, tuple[int, int]]:
+    """Nodes whose store inventory and master view disagree, as ``{node: (store, master)}``; empty = settled.
+
+    Settled means every acknowledged object is in its store's inventory (so a new master that rebuilds
+    from the inventories finds it) and every free the master sent has reached the store.
+    """
+    master_view = {node: int(info["objects"]) for node, info in nodes(cluster).items()}
+    held = store_objects(cluster)
+    return {
+        node: (held.get(node, -1), master_view.get(node, -1))
+        for node in held.keys() | master_view.keys()
+        if held.get(node) != master_view.get(node)
+    }
 
 
 def new_client(master: str, cluster: str = "kvpool") -> PoolClient:
@@ -119,7 +150,7 @@ class Load:
             while not self._stop.is_set():
                 self.write([f"live-{n}-{i}" for i in range(8)], client)
                 n += 1
-                time.sleep(0.02)
+                time.sleep(0.02)  # paces the writer: a load, not a wait
         finally:
             client.close()
 

@@ -1,6 +1,6 @@
 """Fault injection for the chaos tests: a delaying TCP proxy and network namespaces with veth + iptables.
 
-netem is not available on the team's kernels (reference/environment.md §7), so delay comes from a
+netem is not available on the team's kernels (no sch_netem module), so delay comes from a
 user-space proxy; partitions come from iptables rules inside namespaces this module creates. Everything
 is created by the test that uses it and removed by ``close()`` even when the test fails; the namespaces
 use only 10.x addresses, inside namespaces created here.

@@ -1,4 +1,4 @@
-"""EngineClient: the prefix API an inference engine calls (DESIGN §7).
+"""EngineClient: the prefix API an inference engine calls (docs/architecture.md, Client; docs/sglang.md).
 
 * ``prefix_length(tokens)``: how many leading pages of a prompt the pool holds - one master round trip
   for the whole prompt, bounded by a short deadline (0 when the master is unreachable).

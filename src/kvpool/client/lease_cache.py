@@ -12,8 +12,8 @@ completes under the lease; the read still checks the checksum and the lease expi
 **Renewal.** An entry read again in the last third of its life is renewed in the background
 (:class:`LeaseRenewer`: one batched get-replicas call for all the keys that came due within
 ``linger_s``), while the reads go on using the entry. Without it every hot object fell out of the cache
-at the same moment once per lease, and each of its next reads paid the master round trip again (a
-single 64 KiB get loop lost half its rate for a second every nine). The renewal is a leased read at the
+at the same moment once per lease, and each of its next reads paid the master round trip again
+(docs/decisions/0012-lease-renewal.md has the figures). The renewal is a leased read at the
 master, so it also refreshes the object's last access there: a hot object read only from this cache is
 not evicted as cold. An object read once is not renewed; its entry simply ends with its lease.
 

@@ -27,7 +27,7 @@ class GrantOp(IntEnum):
 
 class Grant(NamedTuple):
     """A signed permission for one object range on one segment (a tuple: the store builds one per
-    request, and a frozen dataclass costs ~1.5 us more)."""
+    request, and a frozen dataclass costs more to build: docs/decisions/0010)."""
 
     op: GrantOp
     segment_id: int

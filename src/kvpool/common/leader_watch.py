@@ -24,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvpool.common.coordinator import Coordinator, WatchHandle
 from kvpool.common.errors import ErrorCode, KvPoolError
-from kvpool.common.etcd import EtcdClient, EventType, KeyValue, Watcher, WatchEvent, cluster_prefix
+from kvpool.common.etcd import EtcdClient, EventType, KeyValue, WatchEvent, cluster_prefix
 from kvpool.common.etcd import parse_endpoints as _parse_endpoints
 from kvpool.common.log import get_logger
 
@@ -88,12 +89,12 @@ class LeaderWatch:
     :meth:`get` returns None until a leader is known.
     """
 
-    def __init__(self, etcd: EtcdClient, cluster: str) -> None:
+    def __init__(self, etcd: Coordinator, cluster: str) -> None:
         self._key = leader_key(cluster)
         self._cond = threading.Condition()
         self._current: LeaderInfo | None = None
         self._newest_view = 0
-        self._watcher: Watcher = etcd.watch(self._key, None, self._on_event)
+        self._watcher: WatchHandle = etcd.watch(self._key, None, self._on_event)
 
     def _on_event(self, event: WatchEvent) -> None:
         leader = parse_leader(event.kv) if event.type is EventType.PUT else None

@@ -1,7 +1,7 @@
 """Master-side offset allocator: one per segment, best fit over free extents with coalescing.
 
 The master hands out (segment, offset) ranges so that a client can write with a one-sided transfer and no
-store CPU (DESIGN §4). The allocator never touches memory; it only does bookkeeping over ``[0, size)``.
+store CPU (docs/architecture.md). The allocator never touches memory; it only does bookkeeping over ``[0, size)``.
 
 Data structures (all guarded by one lock per allocator, the innermost lock of the master):
 

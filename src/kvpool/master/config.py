@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from kvpool.common import envs
 from kvpool.common.config import check_ports, option
 from kvpool.common.units import parse_duration, parse_size
+from kvpool.master.eviction import EVICTION_POLICIES
+from kvpool.master.placement import PLACEMENT_POLICIES
 
 
 @dataclass
@@ -45,10 +47,8 @@ class MasterConfig:
         " unreachable (a failed probe makes the store suspected: docs/reliability.md).",
         parse=parse_duration,
     )
-    placement: str = option(
-        "free_ratio_first", "Placement policy.", choices=("free_ratio_first", "random", "local_first")
-    )
-    eviction: str = option("lru", "Eviction policy.", choices=("lru", "fifo"))
+    placement: str = option("free_ratio_first", "Placement policy.", choices=PLACEMENT_POLICIES.names())
+    eviction: str = option("lru", "Eviction policy.", choices=EVICTION_POLICIES.names())
     default_replica_num: int = option(1, "Replicas per object when the client does not say.")
     eviction_high_watermark: float = option(0.90, "Start evicting when this fraction of the pool is used.")
     eviction_target: float = option(0.85, "Evict down to this fraction of the pool.")

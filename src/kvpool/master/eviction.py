@@ -10,11 +10,13 @@ A policy is pure: no clock, no locks, no global state; it is given everything it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
-__all__ = ["Candidate", "EvictionPolicy", "FifoPolicy", "LruPolicy", "make_eviction"]
+from kvpool.common.registry import Registry
+
+__all__ = ["EVICTION_POLICIES", "Candidate", "EvictionPolicy", "FifoPolicy", "LruPolicy", "make_eviction"]
 
 
 class Candidate(NamedTuple):
@@ -81,10 +83,12 @@ class FifoPolicy:
         return _take(_ordered(candidates, self._key), bytes_to_free)
 
 
+# The one list of eviction policies: MasterConfig.eviction's choices and --help come from it.
+EVICTION_POLICIES: Registry[Callable[[], EvictionPolicy]] = Registry("eviction policy")
+EVICTION_POLICIES.add("lru", LruPolicy)
+EVICTION_POLICIES.add("fifo", FifoPolicy)
+
+
 def make_eviction(name: str) -> EvictionPolicy:
     """The policy called ``name`` (MasterConfig.eviction); ValueError lists the known names."""
-    if name == "lru":
-        return LruPolicy()
-    if name == "fifo":
-        return FifoPolicy()
-    raise ValueError(f"unknown eviction policy {name!r}: use lru or fifo")
+    return EVICTION_POLICIES.get(name)()

@@ -25,8 +25,9 @@ import threading
 import uuid
 from typing import Any
 
+from kvpool.common.coordinator import Coordinator, LeaseHandle
 from kvpool.common.errors import KvPoolError
-from kvpool.common.etcd import EtcdClient, KeyValue, LeaseKeeper, cluster_prefix
+from kvpool.common.etcd import EtcdClient, KeyValue, cluster_prefix
 from kvpool.common.leader_watch import LeaderWatch
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
@@ -41,18 +42,21 @@ _MEMBER_STATES = {ElectorState.LEADER: "leader", ElectorState.WARMING_UP: "warmi
 
 
 class HaCoordinator:
-    """Runs the election for one master replica and keeps its Role current."""
+    """Runs the election for one master replica and keeps its Role current.
 
-    def __init__(self, config: MasterConfig, server: MasterServer) -> None:
+    ``coordinator`` replaces the etcd client built from ``config.etcd`` (tests pass an in-memory fake).
+    """
+
+    def __init__(self, config: MasterConfig, server: MasterServer, coordinator: Coordinator | None = None) -> None:
         self.config = config
         self.server = server
         self.id = uuid.uuid4().hex[:12]
-        self.etcd = EtcdClient(config.etcd, timeout=max(2.0, config.leader_ttl_s))
+        self.etcd: Coordinator = coordinator or EtcdClient(config.etcd, timeout=max(2.0, config.leader_ttl_s))
         self.intents = IntentStore(self.etcd, config.cluster)
         self._members_prefix = cluster_prefix(config.cluster) + "masters/"
         self._elector: LeaderElector | None = None
         self._watch: LeaderWatch | None = None
-        self._member_lease: LeaseKeeper | None = None
+        self._member_lease: LeaseHandle | None = None
         self._registered_state = ""
         self._member_lock = threading.Lock()  # stop() and the refresh thread's re-registration
         self._stop = threading.Event()
@@ -81,7 +85,7 @@ class HaCoordinator:
         """Register under a fresh member lease (at start, and again once a frozen process lost it)."""
         if self._member_lease is not None:
             self._member_lease.stop(revoke=not self._member_lease.lost)
-        self._member_lease = LeaseKeeper(self.etcd, max(self.config.leader_ttl_s, 2.0), name="member")
+        self._member_lease = self.etcd.keep_lease(max(self.config.leader_ttl_s, 2.0), name="member")
         lease = self._member_lease.start()
         self._put_member(self._member_state(), lease)
 

@@ -1,11 +1,10 @@
 """Polling the framed connections for a moment before the master's event loop goes back to sleep.
 
 An engine that makes one hot call after another (single-key exists, a lookup per request) sends its next
-request a few tens of µs after our answer. If the event loop has gone to sleep in epoll meanwhile, the
-kernel must wake it - on a VM a halted vCPU, tens of µs that are most of a ~60 µs call (measured: an
-exists round trip 50-62 µs per call without this, 34-55 µs with it). So after answering, the loop polls every
-framed connection, without blocking, for up to ``spin_s``, and returns to uvloop as soon as any has
-bytes (uvloop then finds them ready and does not sleep).
+request soon after our answer. If the event loop has gone to sleep in epoll meanwhile, the kernel must
+wake it, which on a VM costs a large part of a small call (figures: docs/decisions/0010, step 5). So
+after answering, the loop polls every framed connection, without blocking, for up to ``spin_s``, and
+returns to uvloop as soon as any has bytes (uvloop then finds them ready and does not sleep).
 
 It is adaptive, as the clients' and stores' polling is: it polls only while requests have been coming
 within the window of the answer before them, so a master whose callers pause (a put's data transfer, an
@@ -17,14 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import select
-import time
+
+from kvpool.common.clock import SYSTEM_CLOCK, Clock
 
 
 class IdlePoller:
-    """One per framed server; ``spin_s`` 0 turns it off."""
+    """One per framed server; ``spin_s`` 0 turns it off. ``clock`` is injected so tests need not sleep."""
 
-    def __init__(self, spin_s: float) -> None:
+    def __init__(self, spin_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
         self.spin_s = spin_s
+        self._clock = clock
         self._epoll = select.epoll() if spin_s > 0 else None
         self.hot = True
         self._answered_at = 0.0
@@ -41,20 +42,20 @@ class IdlePoller:
     def request_arrived(self) -> None:
         """A request came: poll after the next answer if it came within the window of the last one."""
         if self._epoll is not None:
-            self.hot = time.perf_counter() - self._answered_at < self.spin_s
+            self.hot = self._clock.monotonic() - self._answered_at < self.spin_s
 
     def linger(self) -> None:
         """After an answer: poll the connections until one is readable, for at most ``spin_s``."""
         epoll = self._epoll
         if epoll is None:
             return
-        now = time.perf_counter()
+        now = self._clock.monotonic()
         self._answered_at = now
         if not self.hot:
             return
         until = now + self.spin_s
         while not epoll.poll(0):
-            if time.perf_counter() >= until:
+            if self._clock.monotonic() >= until:
                 return
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Durable operator intents (cluster config, drain jobs) kept in etcd, not in master memory (DESIGN.md 4).
+"""Durable operator intents (cluster config, drain jobs) kept in etcd, not in master memory (decision 0004).
 
 Each intent is a JSON object under ``/kvpool/<cluster>/intents/<kind>/<name>``. Whoever leads reads them
 after a failover and carries on; updates are compare-and-put on the etcd mod_revision, so two writers (an
@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.common.coordinator import Coordinator, WatchHandle
 from kvpool.common.errors import ErrorCode, KvPoolError
-from kvpool.common.etcd import EtcdClient, EventType, KeyValue, Watcher, WatchEvent, cluster_prefix
+from kvpool.common.etcd import EventType, KeyValue, WatchEvent, cluster_prefix
 
 __all__ = ["Intent", "IntentStore"]
 
@@ -53,7 +54,7 @@ def _encode(doc: dict[str, Any]) -> bytes:
 class IntentStore:
     """put / get / list / update (compare-and-put) / delete of JSON intents for one cluster."""
 
-    def __init__(self, etcd: EtcdClient, cluster: str) -> None:
+    def __init__(self, etcd: Coordinator, cluster: str) -> None:
         self._etcd = etcd
         self._root = cluster_prefix(cluster) + "intents/"
 
@@ -108,7 +109,7 @@ class IntentStore:
 
     def watch(
         self, kind: str, callback: Callable[[str, Intent | None], None], start_revision: int | None = None
-    ) -> Watcher:
+    ) -> WatchHandle:
         """Call ``callback(name, intent)`` for every change of a kind (``None`` = deleted).
 
         Without ``start_revision`` the current intents are delivered first. A resync after compaction

@@ -1,4 +1,4 @@
-"""Master leader election through etcd (DESIGN.md section 4): mechanism only, no master logic.
+"""Master leader election through etcd (docs/decisions/0004-ha-election.md): mechanism only, no master logic.
 
 Protocol, per elector (one per master replica):
 
@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvpool.common.coordinator import Coordinator, LeaseHandle, WatchHandle
 from kvpool.common.errors import ErrorCode, KvPoolError
-from kvpool.common.etcd import EtcdClient, EventType, KeyValue, LeaseKeeper, Watcher, WatchEvent
+from kvpool.common.etcd import EventType, KeyValue, WatchEvent
 from kvpool.common.leader_watch import VACANT_FIELD, LeaderInfo, leader_key, parse_leader, vacancy_value
 from kvpool.common.log import get_logger
 
@@ -68,11 +69,12 @@ class LeaderElector:
 
     ``ttl_s`` is the lease TTL (etcd rounds it up to whole seconds and to its own minimum); it bounds how
     long the cluster stays leaderless after a leader crash (about ``ttl`` to expire + ``ttl`` warm-up).
+    ``etcd`` is any :class:`Coordinator`: an ``EtcdClient`` in production, an in-memory fake in unit tests.
     """
 
     def __init__(
         self,
-        etcd: EtcdClient,
+        etcd: Coordinator,
         cluster: str,
         my_info: dict[str, Any],
         ttl_s: float = 5.0,
@@ -94,13 +96,13 @@ class LeaderElector:
         self._lock = threading.Lock()  # guards the fields other threads read
         self._state = ElectorState.IDLE
         self._view = 0
-        self._keeper: LeaseKeeper | None = None
+        self._keeper: LeaseHandle | None = None
         self._generation = 0  # tags lease-loss events so that a stale keeper's report is ignored
         self._current: KeyValue | None = None  # the leader key as last seen (elector thread only)
         self._current_rev = 0  # the revision self._current was known at, so that old news cannot win
         self._seen_key = False
         self._warm_until = 0.0
-        self._watcher: Watcher | None = None
+        self._watcher: WatchHandle | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._was_leader_at_stop = False
@@ -236,8 +238,7 @@ class LeaderElector:
         with self._lock:
             self._generation += 1
             generation = self._generation
-        keeper = LeaseKeeper(
-            self._etcd,
+        keeper = self._etcd.keep_lease(
             self._ttl_s,
             on_lost=lambda: self._events.put(_Event("lease_lost", generation=generation)),
             name=f"leader-{self._name}",

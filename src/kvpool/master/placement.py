@@ -11,10 +11,13 @@ Policies are called once per key on the hot path of put_start: keep them O(segme
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvpool.common.registry import Registry
+
 __all__ = [
+    "PLACEMENT_POLICIES",
     "FreeRatioFirst",
     "LocalFirst",
     "PlacementPolicy",
@@ -146,12 +149,16 @@ class LocalFirst:
         return first + _by_free_fraction(local) + others
 
 
+PlacementFactory = Callable[[random.Random | None], PlacementPolicy]
+"""Builds a policy; the argument is the master's seeded random source, for policies that draw."""
+
+# The one list of placement policies: MasterConfig.placement's choices and --help come from it.
+PLACEMENT_POLICIES: Registry[PlacementFactory] = Registry("placement policy")
+PLACEMENT_POLICIES.add("free_ratio_first", lambda rng: FreeRatioFirst())
+PLACEMENT_POLICIES.add("random", RandomPlacement)
+PLACEMENT_POLICIES.add("local_first", lambda rng: LocalFirst())
+
+
 def make_placement(name: str, rng: random.Random | None = None) -> PlacementPolicy:
     """The policy called ``name`` (MasterConfig.placement); ValueError lists the known names."""
-    if name == "free_ratio_first":
-        return FreeRatioFirst()
-    if name == "random":
-        return RandomPlacement(rng)
-    if name == "local_first":
-        return LocalFirst()
-    raise ValueError(f"unknown placement policy {name!r}: use free_ratio_first, random or local_first")
+    return PLACEMENT_POLICIES.get(name)(rng)

@@ -13,7 +13,7 @@ Structure (mechanism here, policy elsewhere):
 * ``PlacementPolicy`` (placement.py) orders candidate segments; ``EvictionPolicy`` (eviction.py) orders
   victims. Both are pure and called outside every lock.
 
-Semantics follow Mooncake Store (reference/mooncake-store.md §1) with the differences DESIGN.md states:
+Semantics follow Mooncake Store's master with the differences docs/architecture.md (Master) states:
 two-phase put (PROCESSING replicas are invisible), read leases block eviction and removal, approximate LRU
 eviction above a watermark or on allocation failure, hard and soft pins, store heartbeats with expiry, and
 stores as the source of truth (mount adopts the store's inventory).

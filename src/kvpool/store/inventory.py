@@ -1,6 +1,6 @@
 """The store's inventory: which objects are fully written where, so a new master can rebuild its index.
 
-Stores are the source of truth for what they hold (DESIGN §4, "no cache loss on failover"): a leader that
+Stores are the source of truth for what they hold (decision 0003, "no cache loss on failover"): a leader that
 starts or takes over asks every store for its inventory and rebuilds the index and the allocators from it.
 So the inventory must never describe bytes that are not that object's bytes:
 

@@ -1,4 +1,4 @@
-"""NUMA placement and hugepage checks for a store process (DESIGN §5: one store per NUMA node).
+"""NUMA placement and hugepage checks for a store process (docs/architecture.md, Store: one store per NUMA node).
 
 Why: a store serves its segment from the memory of one NUMA node, with its threads on that node's CPUs, so
 that copies never cross the socket interconnect (and, with RDMA, the NIC local to that node is used). Two

@@ -1,7 +1,7 @@
 """A store's segment: one shared-memory file, mapped read-write, that the data plane reads and writes.
 
 The segment is a file (not anonymous memory) so that same-node clients can map it and copy without any RPC
-(DESIGN §5). It lives in /dev/shm (tmpfs) or in a hugetlbfs mount when hugepages are asked for. The file is
+(docs/architecture.md). It lives in /dev/shm (tmpfs) or in a hugetlbfs mount when hugepages are asked for. The file is
 created with mode 0600 and O_EXCL, so only the pool's user can open it and nobody can plant a file (or a
 symlink) under our name in the world-writable /dev/shm beforehand.
 

@@ -4,9 +4,8 @@ that describes it, replayed when the store restarts.
 The master allocates SSD ranges like DRAM ranges (an offset allocator over ``ssd_size`` bytes, which is how it
 accounts for the tier's capacity). The store keeps the values at exactly those offsets in one sparse file,
 ``<ssd_dir>/data.kvs``, so a demotion is one ``pwrite`` and a read one ``sendfile``. Why not one file per
-object: creating and deleting small files costs 0.1-1 ms of file-system metadata each (measured on ext4 with
-``discard``: ~450 us per create, up to ~750 us per unlink), 50-100x a ``pwrite`` of a 4 KiB page, and it
-would bound the demotion rate far below the put rate.
+object: creating and deleting small files costs far more file-system metadata work than a ``pwrite``, and it
+would bound the demotion rate far below the put rate (figures: docs/ssd-tier.md, "On the store").
 
 What is where is kept in ``<ssd_dir>/journal.kvs``, append-only, so that a restarted store rebuilds its SSD
 inventory (Mooncake loses it on a restart: issue #2254)::

@@ -3,7 +3,7 @@
 
 Two questions, each answered on the pure master code with a synthetic stream:
 
-1. **Allocator utilisation** (DESIGN §4: >= 0.95 for uniform page sizes). One ``OffsetAllocator`` is filled
+1. **Allocator utilisation** (>= 0.95 for uniform page sizes, docs/placement.md). One ``OffsetAllocator`` is filled
    until an allocation fails, then driven through churn (free a random tenth, refill until the next failure)
    for ``--rounds`` rounds; utilisation = the bytes the callers asked for that are live at a failure / the
    segment size, averaged over the failures after the first fill (and its minimum). Uniform sizes: KV pages

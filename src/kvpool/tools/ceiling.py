@@ -162,6 +162,8 @@ class RawTcpPeer:
             self._sock.close()
         finally:
             self._proc.wait(timeout=10)
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
 
     def __enter__(self) -> RawTcpPeer:
         return self

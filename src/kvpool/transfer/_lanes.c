@@ -3,8 +3,8 @@
  *
  * Why native: a batched transfer of 1 MiB parts spends most of its client CPU in the kernel's copies
  * and the checksums, but the Python between the socket calls (build the iovec, parse each reply header,
- * hand the GIL to the other lanes and back around every syscall) measured 10-25 % of the client's CPU
- * per GB on a 2-vCPU host (docs/decisions/0016-native-lane-loop.md). This module runs exactly the loop of
+ * hand the GIL to the other lanes and back around every syscall) took a large share of the client's CPU
+ * (figures: docs/decisions/0016-native-lane-loop.md). This module runs exactly the loop of
  * tcp._Lane._pipeline for a job of same-op parts, with the GIL released for the whole job: the same
  * frames (built by Python), the same window and in-flight cap, the same order of replies, the same
  * checks, the same deadline re-arming. Python keeps everything else (framing, checksums, retries, errors).
@@ -37,16 +37,15 @@
  * len(buffers[i]) bytes: a malformed or hostile reply cannot write outside the caller's buffers.
  *
  * Bounced receives. The kernel copies socket data into user memory with `rep movsb`, which on AMD Zen
- * (measured on an AMD EPYC VM) runs 2-3x slower when the destination is 1-63 bytes past the source
- * modulo 4 KiB (glibc's memcpy too, between 4 and 512 KiB: vector_copy). A store started with
+ * runs slower when the destination is 1-63 bytes past the source modulo 4 KiB (glibc's memcpy too,
+ * between 4 and 512 KiB: vector_copy; figures: docs/decisions/0050-measurements.md). A store started with
  * --read-sendfile sends a large READ from its segment's pages and flags the reply FLAG_FROM_PAGES, so the
  * source of part i is known: sources[i]. (A copied reply's source is wherever the store's kernel put it
  * in its socket buffers, unknown here: it is received directly.) A destination 16
  * bytes into its page (a large numpy array or bytearray: glibc's chunk header) is exactly that case.
  * Such a part is received BOUNCE_BYTES at a time into a page-aligned scratch buffer at the source's
- * offset, then copied with vector moves (vector_copy): batched 1 MiB gets into destinations 16 bytes
- * into their pages went from 2.0-2.2 to 3.1 GB/s on the AMD EPYC VM of docs/benchmarks.md ("A copy that
- * depends on where the buffer starts"), against 3.4 into page-aligned ones.
+ * offset, then copied with vector moves (vector_copy); what that gained is in
+ * docs/decisions/0050-measurements.md.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,8 +232,8 @@ static int short_distance(const char *dest, int source) {
 }
 
 /* memcpy without `rep movsb`: glibc's memcpy uses it for sizes between a few KiB and its non-temporal
- * threshold, the very copy that is slow at a short distance (14-20x on the AMD EPYC VM, 16-256 KiB hot
- * in the caches); 16-byte vector moves run at full speed there. */
+ * threshold, the very copy that is slow at a short distance (docs/decisions/0050-measurements.md);
+ * 16-byte vector moves run at full speed there. */
 static void vector_copy(char *dest, const char *src, size_t n) {
 #ifdef __SSE2__
     for (; n >= 64; n -= 64, src += 64, dest += 64) {

@@ -1,7 +1,7 @@
 """``copy_into(dest, src)``: ``dest[:] = src`` that stays fast whatever the two buffers' alignment.
 
-glibc's memcpy (2.36) moves 4-512 KiB with ``rep movsb``, which runs 14-20x slower on AMD Zen
-(measured on an AMD EPYC VM) when the destination starts 1-63 bytes past the source modulo 4 KiB. A
+glibc's memcpy (2.36) moves 4-512 KiB with ``rep movsb``, which runs many times slower on AMD Zen when
+the destination starts 1-63 bytes past the source modulo 4 KiB (docs/decisions/0050-measurements.md). A
 64 KiB page copied from a store's segment into a large numpy array or bytearray (16 bytes into its
 first page) is that case. The compiled version (kvpool.transfer._lanes) copies those with vector moves,
 and releases the GIL for a large copy; without it (no compiler at install time) this is the plain slice

@@ -1,6 +1,6 @@
 """The TCP transport: the default data path, runs everywhere.
 
-Shape (DESIGN §6, and the lessons from Mooncake's TCP path in reference/mooncake-store.md §4):
+Shape (docs/architecture.md, "Data plane and grants", and the lessons from Mooncake's TCP path):
 
 * **Lanes.** Each endpoint (a store's ``host:port``) gets up to ``connections_per_endpoint`` lanes; a lane
   is one persistent connection with its own thread and an unbounded queue of jobs. Lanes are created
@@ -1299,7 +1299,7 @@ class TcpTransport(Transport):
 
     def transfer(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
         """``submit`` + ``wait``, with the calling thread moving one job itself instead of waking a lane
-        thread for it (it would block in ``wait`` anyway): ~15 us less per small request. A lone
+        thread for it (it would block in ``wait`` anyway; docs/decisions/0050-measurements.md). A lone
         single-part request (a single get) skips the batch machinery altogether when a lane is idle."""
         if len(requests) == 1:
             code = self._transfer_one(requests[0], deadline)

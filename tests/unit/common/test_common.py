@@ -136,7 +136,7 @@ def test_grants_verify_and_bind_every_field() -> None:
         assert not grants.verify(secret, grant._replace(**change)), change
 
 
-# Test vectors from SGLang's pure-Python chain (reference/sglang-hicache.md §1.6).
+# Test vectors from SGLang's pure-Python page-hash chain (docs/sglang.md).
 def test_page_keys_match_sglang_vectors() -> None:
     assert page_keys(list(range(8)), 4) == [
         "baed642339816affb3fe8719792d0e4ce82f12db72b7373d244eaa65445800fe",

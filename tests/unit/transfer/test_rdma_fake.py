@@ -54,6 +54,7 @@ from kvpool.transfer.verbs import (
     discover_devices,
 )
 from kvpool.transfer.verbs_fake import FakeFabric, FakeVerbs
+from tests.support.wait import wait_for
 
 MiB = 1 << 20
 SEG_ID = 0x5EED
@@ -221,15 +222,6 @@ def _teardown(r: Rig) -> None:
     r.server.close()
     r.responder.close()
     r.segment.close()
-
-
-def _wait_until(predicate: object, timeout: float = 3.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _deadline() -> Deadline:
@@ -470,7 +462,7 @@ def test_completion_errors_map_to_codes_and_reconnect(rig: Rig, status: WcStatus
     assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"w", 0, data)], _deadline()) == [ErrorCode.OK]
     assert rig.transport.stats.connects == 2
     assert rig.transport.stats.broken_connections == 1
-    assert _wait_until(lambda: rig.responder.connections == 1)  # the store released the old QP
+    wait_for(lambda: rig.responder.connections == 1, 3.0, "the store to release the old QP")
 
 
 def test_reconnect_after_an_injected_qp_error(rig: Rig) -> None:
@@ -486,8 +478,8 @@ def test_reconnect_after_an_injected_qp_error(rig: Rig) -> None:
     assert rig.transport.transfer([rig.request(GrantOp.READ, b"q", 0, back)], _deadline()) == [ErrorCode.OK]
     assert back == data
     assert rig.transport.stats.connects == 2
-    assert _wait_until(lambda: rig.responder.connections == 1)
-    assert _wait_until(lambda: rig.fabric.qp_count() == 2)  # one live pair, the broken ones destroyed
+    wait_for(lambda: rig.responder.connections == 1, 3.0, "the store to hold one connection")
+    wait_for(lambda: rig.fabric.qp_count() == 2, 3.0, "one live pair, the broken ones destroyed")
 
 
 def test_refused_post_tears_down_and_reconnects(rig: Rig) -> None:
@@ -510,7 +502,7 @@ def test_lost_completion_times_out_and_aborts_the_qp(rig: Rig) -> None:
     assert codes == [ErrorCode.TIMEOUT]
     assert time.monotonic() - start < 2.0
     assert rig.client_verbs.contexts[0].qps == []  # our QP is destroyed: the NIC is done with `data`
-    assert _wait_until(lambda: rig.fabric.qp_count() == 0)  # and the store released its side
+    wait_for(lambda: rig.fabric.qp_count() == 0, 3.0, "the store to release its side")
     assert rig.transport.transfer([rig.request(GrantOp.WRITE, b"t", 0, data)], _deadline()) == [ErrorCode.OK]
 
 
@@ -645,7 +637,7 @@ def test_exchange_over_loopback_and_responder_refusals(rig: Rig) -> None:
     assert reply["qp"]["qp_num"] == rig.store_verbs.contexts[0].qps[0].qp_num  # type: ignore[index]
     assert rig.responder.connections == 1
     sock.close()  # the store releases the QP with the connection
-    assert _wait_until(lambda: rig.responder.connections == 0)
+    wait_for(lambda: rig.responder.connections == 0, 3.0, "the store to release its connections")
 
     refusals = [
         ({"v": 2, "qp": qp_doc, "grants": [grant]}, ErrorCode.NOT_SUPPORTED),
@@ -713,7 +705,7 @@ def test_revoke_cuts_off_admitted_clients_and_they_reconnect(rig: Rig) -> None:
     assert rig.responder.connections == 0
     rig.server.drop_connections(revoked)  # the data plane closes the control connections it is handed
     peer = rig.transport._peers[rig.server.endpoint]
-    assert _wait_until(lambda: peer.conn is not None and not peer.conn.usable)
+    wait_for(lambda: peer.conn is not None and not peer.conn.usable, 3.0, "the connection to turn unusable")
     assert rig.one(rig.request(GrantOp.WRITE, b"v", 0, data)) == ErrorCode.OK  # a fresh QP, a fresh grant
     assert rig.transport.stats.connects == 2
 
@@ -726,7 +718,7 @@ def test_remove_and_add_segment(rig: Rig) -> None:
     assert store_ctx.mr_count == 0
     assert rig.responder.advertisement()["segments"] == []
     rig.server.drop_connections()
-    assert _wait_until(lambda: rig.responder.connections == 0)
+    wait_for(lambda: rig.responder.connections == 0, 3.0, "the store to release its connections")
     assert rig.one(rig.request(GrantOp.WRITE, b"s", 0, bytearray(64))) == ErrorCode.SEGMENT_NOT_FOUND
     other = _Segment(2 * MiB)
     try:
