@@ -60,6 +60,9 @@ class ErrorCode(IntEnum):
     # -200 .. -299: allocation
     NO_SPACE = -200
     """No segment can hold the object even after eviction."""
+    DEMOTION_BACKLOG = -230
+    """DRAM is full of objects being demoted to an SSD tier: retry shortly (the client does, until its
+    deadline). The SSD tier's backpressure (docs/ssd-tier.md)."""
 
     # -300 .. -399: segments and membership
     SEGMENT_NOT_FOUND = -300

@@ -351,12 +351,36 @@ class MasterState:
         # Evicting cannot help an object larger than every allocatable segment.
         largest = max((s.size for s in self._table.allocatable), default=0)
         retry = [i for i in range(n) if results[i] is None and sizes[i] <= largest]
+        if retry and self.tiers.active:
+            retry = self._wait_for_demotions(client_id, keys, sizes, ctx, results, retry)
         if retry:
             need = sum(sizes[i] for i in retry)
             self.evict(max(need, self._default_eviction_bytes()), urgent=True)
             for i in retry:
                 results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
         return [r if r is not None else PutStartResult(ErrorCode.NO_SPACE) for r in results]
+
+    def _wait_for_demotions(
+        self,
+        client_id: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        ctx: _PutContext,
+        results: list[PutStartResult | None],
+        retry: list[int],
+    ) -> list[int]:
+        """SSD tier backpressure (docs/ssd-tier.md): rather than drop objects to fit a put, queue demotions
+        and refuse the put with DEMOTION_BACKLOG (the client retries) while demotions in flight will free
+        DRAM. Returns the keys left for the urgent eviction (none while a backlog is draining)."""
+        self.evict(max(sum(sizes[i] for i in retry), self._default_eviction_bytes()))
+        for i in retry:
+            results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
+        retry = [i for i in retry if results[i] is None]
+        if retry and self.tiers.backpressure(len(retry)):
+            for i in retry:
+                results[i] = PutStartResult(ErrorCode.DEMOTION_BACKLOG)
+            return []
+        return retry
 
     def put_end(self, client_id: str, keys: Sequence[str], checksums: Sequence[int]) -> list[ErrorCode]:
         """Make objects visible: replicas COMPLETE, checksum recorded, LRU position = now.
@@ -695,8 +719,8 @@ class MasterState:
             nshards = self._shards.num_shards
             for _ in range(MAX_EVICTION_ROUNDS):
                 need = bytes_to_free - freed
-                if need <= 0:
-                    break
+                if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
+                    break  # (the demotion backlog is full: victims would only be deferred)
                 now = self._clock.monotonic()
                 candidates, shards_scanned = self._collect_candidates(now, self._candidate_limit(need))
                 scanned += len(candidates)

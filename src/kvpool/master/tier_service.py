@@ -29,6 +29,7 @@ _COUNTERS = {
     "ssd_evictions": "SSD replicas dropped by the SSD tier's watermark",
     "ssd_evicted_bytes": "Bytes of SSD replicas dropped by the SSD tier's watermark",
     "tier_tasks_expired": "Tier tasks abandoned after tier_task_timeout_s",
+    "puts_backpressured": "Put keys refused with DEMOTION_BACKLOG while demotions free DRAM (clients retry)",
 }
 _GAUGES = {
     "ssd_capacity_bytes": "Bytes of the mounted SSD tiers",

@@ -11,11 +11,14 @@ object index: ``(ssd segment, offset)``, with the usual PROCESSING/COMPLETE stat
   replica becomes COMPLETE and the DRAM replicas are freed (the usual free notifications follow). If the
   object was read or leased meanwhile it is hot again: it keeps both copies. An object that already has an
   SSD copy is "demoted" by freeing its DRAM replicas only (the SSD tier is inclusive).
-* **No stall under pressure** (Mooncake issue #2187: with offload-on-evict, DRAM stayed full and every put
+* **Backpressure, not drops** (Mooncake issue #2187: with offload-on-evict, DRAM stayed full and every put
   failed). Demotion is what the *background* eviction does; it frees DRAM only when the store has copied,
   so the DRAM waiting for demotion is counted as already freed by the watermark check and capped at
-  ``demote_max_pending`` of the pool. An eviction forced by a failed allocation (``urgent``), or one past
-  the cap, drops objects as before.
+  ``demote_max_pending`` of the pool; a victim past the cap stays in DRAM until the backlog drains (it is
+  not dropped). A put that finds DRAM full while demotions are in flight is refused with
+  ``DEMOTION_BACKLOG`` (the client retries until its deadline) instead of dropping objects the SSD could
+  hold. Only when no demotion can help (no SSD tier on that store, the SSD full, its disk failing) does an
+  eviction forced by a failed allocation (``urgent``) drop objects as before; drops are counted.
 * **Promotion.** Reads (``get_replicas`` with a lease) of an object that lives only on SSD are counted;
   after ``promote_after_hits`` reads a DRAM range is allocated on the same store and a PROMOTE task makes
   the store copy SSD -> DRAM; the DRAM replica becomes COMPLETE when the store reports it. The SSD copy
@@ -80,6 +83,12 @@ ABANDON_GRACE_S = 5.0
 
 _COMPLETE = ReplicaStatus.COMPLETE
 _EVICTABLE_MASK = COMPLETE | HARD_PIN
+
+
+class _Demote(IntEnum):
+    STARTED = 0
+    DEFERRED = 1
+    IMPOSSIBLE = 2
 
 
 class TaskKind(IntEnum):
@@ -221,6 +230,8 @@ class _Counters:
     ssd_evicted_bytes: int = 0
     tasks_expired: int = 0
     pending_bytes: int = 0
+    puts_backpressured: int = 0
+    """Put keys refused with DEMOTION_BACKLOG (the client retries them)."""
 
 
 class TierManager:
@@ -248,6 +259,9 @@ class TierManager:
         self._hits: OrderedDict[str, int] = OrderedDict()
         self._c = _Counters()
         self._next_expiry_check = 0.0
+        self.progress = threading.Event()
+        """Set when demotions finish or a put waits for them: the eviction thread runs at once (it queues
+        the next demotions while DRAM is above its watermark) instead of at its next interval."""
         self.ssd_ids: frozenset[int] = frozenset()
         """Ids of the mounted SSD-tier segments (empty: no tier anywhere, every hook is a no-op)."""
 
@@ -315,8 +329,10 @@ class TierManager:
                     meta.set_replicas(ssd)
                     ranges = self._resolve(dram)
                     gone = False
-                elif not urgent and self._start_demote(key, meta, dram, now):
-                    return freed, False
+                elif not urgent and (started := self._start_demote(key, meta, dram, now)) != _Demote.IMPOSSIBLE:
+                    # DEFERRED: the backlog is full; the object stays in DRAM until demotions catch up
+                    # (the put path applies backpressure meanwhile) instead of being dropped.
+                    return (freed if started == _Demote.STARTED else 0), False
                 else:
                     del shard.objects[key]
                     shard.processing.pop(key, None)
@@ -330,23 +346,26 @@ class TierManager:
                     self._c.dram_dropped_urgent += 1
         return freed, gone
 
-    def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> bool:
-        """Queue a DEMOTE of ``meta`` (stripe and shard lock held); False when it cannot be demoted now."""
+    def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> _Demote:
+        """Queue a DEMOTE of ``meta`` (stripe and shard lock held): STARTED; DEFERRED when the backlog is
+        full or the store's demotions are paused; IMPOSSIBLE when its store has no SSD tier with room."""
         pending = meta.size * len(dram)
-        if self._c.pending_bytes + pending > self._max_pending():
-            return False
         src = dram[0]
         dram_seg = self._table.by_id.get(src.segment_id)
         if dram_seg is None:
-            return False
+            return _Demote.IMPOSSIBLE
         ssd_seg = self._tier_segment(dram_seg.store_id, TIER_SSD)
         channel = self._channels.get(dram_seg.store_id)
-        if ssd_seg is None or channel is None or channel.backoff_until > now:
-            return False
+        if ssd_seg is None or channel is None:
+            return _Demote.IMPOSSIBLE
+        if channel.backoff_until > now:
+            return _Demote.IMPOSSIBLE  # its disk keeps failing: behave as a pool without an SSD tier
+        if self._c.pending_bytes + pending > self._max_pending():
+            return _Demote.DEFERRED
         with channel.lock:
             offset = ssd_seg.allocator.allocate(meta.size)
             if offset is None:
-                return False  # SSD full: the SSD eviction (maintain) makes room for later demotions
+                return _Demote.IMPOSSIBLE  # SSD full: the SSD eviction (maintain) makes room for later ones
             task = channel.push_locked(
                 TaskKind.DEMOTE,
                 key,
@@ -362,10 +381,24 @@ class TierManager:
         meta.add_replica(ssd_seg.id, offset, False)
         with self._lock:
             self._c.pending_bytes += pending
-        return True
+        return _Demote.STARTED
 
     def _max_pending(self) -> float:
         return self._cfg.demote_max_pending * sum(s.size for s in self._table.allocatable)
+
+    def saturated(self) -> bool:
+        """The demotion backlog is at its cap: a non-urgent eviction can start no more demotions now."""
+        return self._c.pending_bytes >= self._max_pending()
+
+    def backpressure(self, keys: int) -> bool:
+        """A put found DRAM full: True (count ``keys`` refused with DEMOTION_BACKLOG) when demotions in
+        flight will free DRAM soon, False when nothing will (the caller drops by an urgent eviction)."""
+        if self._c.pending_bytes <= 0:
+            return False
+        with self._lock:
+            self._c.puts_backpressured += keys
+        self.progress.set()
+        return True
 
     def _tier_segment(self, store_id: str, tier: int) -> Segment | None:
         """The store's segment of ``tier`` that is mounted and OK (the first one)."""
@@ -465,6 +498,8 @@ class TierManager:
             task = channel.finish(task_id)
             if task is not None:
                 self._finish(channel, task, _code(code))
+        if done:
+            self.progress.set()
         tasks, pending = channel.take(max(0, max_tasks))
         return ErrorCode.OK, tasks, pending
 
@@ -667,6 +702,7 @@ class TierManager:
                 "ssd_evicted_bytes": c.ssd_evicted_bytes,
                 "tier_tasks_expired": c.tasks_expired,
                 "demote_pending_bytes": c.pending_bytes,
+                "puts_backpressured": c.puts_backpressured,
             }
             channels = list(self._channels.values())
         out["tier_tasks_pending"] = sum(ch.pending() for ch in channels)
