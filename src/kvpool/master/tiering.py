@@ -78,6 +78,11 @@ FreeRanges = Callable[[list[Range]], None]
 HoldRanges = Callable[[float, list[Range]], None]
 """(release time, ranges): keep ranges allocated until then (MasterState's quarantine)."""
 
+TAKE_MAX_BYTES = 8 << 20
+"""Most bytes of copies handed to a store in one exchange. Smaller than the demotion backlog's cap, so the
+master queues the next batch while the store writes this one (the store pulls again at once while tasks
+are pending): the disk never waits for a round trip."""
+
 ABANDON_GRACE_S = 5.0
 """After a task is abandoned, how long a range the store could still have been writing stays allocated."""
 
@@ -151,15 +156,21 @@ class TierChannel:
         self.queue.append(task)
         return task
 
-    def take(self, limit: int) -> tuple[list[TierTask], int]:
-        """Up to ``limit`` tasks in queue order (DEMOTE/PROMOTE become in flight); and how many remain."""
+    def take(self, limit: int, max_bytes: int = TAKE_MAX_BYTES) -> tuple[list[TierTask], int]:
+        """Up to ``limit`` tasks in queue order, copying at most ``max_bytes`` (at least one task); DEMOTE and
+        PROMOTE become in flight. Also returns how many remain."""
         out: list[TierTask] = []
+        copied = 0
         with self.lock:
             queue = self.queue
             while queue and len(out) < limit:
-                task = queue.popleft()
+                task = queue[0]
                 if task.kind != TaskKind.DELETE:
+                    if out and copied + task.length > max_bytes:
+                        break
+                    copied += task.length
                     self.inflight[task.id] = task
+                queue.popleft()
                 out.append(task)
             return out, len(queue)
 

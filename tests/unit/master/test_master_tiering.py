@@ -376,3 +376,23 @@ def test_an_abandoned_promotion_holds_its_dram_range_until_the_store_cannot_writ
     c.state.reclaim_abandoned_puts()  # the maintenance pass that releases held ranges
     assert c.used(DRAM) == used - PAGE
     c.check()
+
+
+def test_a_store_takes_at_most_a_byte_budget_of_copies_per_exchange_and_deletes_ride_along() -> None:
+    from kvpool.master.tiering import TierChannel
+
+    channel = TierChannel("s")
+    with channel.lock:
+        for i in range(4):
+            channel.push_locked(TaskKind.DEMOTE, f"k{i}", (DRAM, i * PAGE), (SSD, i * PAGE), PAGE, 0, 0.0)
+            channel.push_locked(TaskKind.DELETE, "", (0, 0), (SSD, 100 * PAGE + i), PAGE, 0, 0.0)
+    first, left = channel.take(100, max_bytes=2 * PAGE)
+    assert [(t.kind, t.key) for t in first] == [
+        (TaskKind.DEMOTE, "k0"),
+        (TaskKind.DELETE, ""),
+        (TaskKind.DEMOTE, "k1"),
+        (TaskKind.DELETE, ""),
+    ]
+    assert (left, sorted(channel.inflight)) == (4, [t.id for t in first if t.kind == TaskKind.DEMOTE])
+    huge, _ = channel.take(100, max_bytes=1)  # one copy always goes, whatever its size
+    assert [t.key for t in huge] == ["k2", ""]
