@@ -4,6 +4,7 @@ promotion after repeated reads, and re-adoption of the SSD objects when the stor
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,3 +118,45 @@ def test_a_restarted_store_re_adopts_its_ssd_objects(tiered: tuple[LocalCluster,
         assert pool.batch_exists(list(more)) == [1] * len(more)
         assert pool.batch_get(on_ssd[:20]) == [values[k] for k in on_ssd[:20]]
     assert time.monotonic() - started < 30
+
+
+def test_a_store_killed_during_a_burst_re_adopts_every_completed_demotion(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    value_bytes = 4 * PAGE
+    cluster = make_cluster(stores=0, master_args=TIER_MASTER)
+    ssd = ("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB")
+    store = cluster.add_store(size=str(DRAM), extra=ssd)
+    values = {f"burst-{i}": os.urandom(value_bytes) for i in range(900)}  # 14x the DRAM, within the SSD
+    keys = list(values)
+    stop = threading.Event()
+    put_codes: list[int] = []
+
+    def burst() -> None:  # full speed: no waiting for demotions, the pool's backpressure paces it
+        with client(cluster.master) as writer:
+            for i in range(0, len(keys), 16):
+                if stop.is_set():
+                    return
+                part = keys[i : i + 16]
+                put_codes.extend(writer.batch_put(part, [values[k] for k in part], timeout=5.0))
+
+    writer = threading.Thread(target=burst)
+    writer.start()
+    try:
+        with client(cluster.master) as pool:
+            wait_for(lambda: tier_stats(pool).get("demotions", 0) >= 100, 30, "100 demotions")
+            assert writer.is_alive()  # the kill lands during the burst
+            # Every object the master holds on SSD now had its demotion completed (and reported).
+            demoted = [k for k, tiers in zip(keys, replica_tiers(pool, keys), strict=True) if 1 in tiers]
+            cluster.kill(store)  # SIGKILL: no unmount, no flush
+    finally:
+        stop.set()
+        writer.join(30)
+    assert len(demoted) >= 100
+    cluster.restart(store)
+    with client(cluster.master) as pool:
+        wait_for(lambda: sum(pool.batch_exists(demoted)) == len(demoted), 30, "the demoted objects to come back")
+        assert pool.batch_get(demoted) == [values[k] for k in demoted]
+        # Whatever else survived reads back right too (a cache may lose objects, never serve wrong bytes).
+        present = [k for k, e in zip(keys, pool.batch_exists(keys), strict=True) if e > 0]
+        assert pool.batch_get(present) == [values[k] for k in present]
