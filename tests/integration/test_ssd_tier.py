@@ -18,6 +18,7 @@ from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools.local_cluster import LocalCluster
 from tests.support.cluster import FAST_MASTER, client, wait_for
+from tests.support.drain import admin, admin_json
 
 pytestmark = pytest.mark.integration
 
@@ -160,3 +161,25 @@ def test_a_store_killed_during_a_burst_re_adopts_every_completed_demotion(
         # Whatever else survived reads back right too (a cache may lose objects, never serve wrong bytes).
         present = [k for k, e in zip(keys, pool.batch_exists(keys), strict=True) if e > 0]
         assert pool.batch_get(present) == [values[k] for k in present]
+
+
+def test_admin_shows_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, _ = tiered
+    values = {f"seen-{i}": os.urandom(PAGE) for i in range(400)}
+    with client(cluster.master) as pool:
+        fill(pool, values)
+        demoted = int(tier_stats(pool)["demotions"])
+    assert demoted >= 100
+    status = admin_json(cluster, "status")
+    assert (status["capacity"], status["ssd_capacity_bytes"]) == (DRAM, 16 << 20)
+    assert status["ssd_used_bytes"] >= demoted * PAGE
+    assert status["used"] <= DRAM
+    [node] = admin_json(cluster, "nodes")["nodes"]
+    assert (node["capacity"], node["ssd_capacity"]) == (DRAM, 16 << 20)
+    assert node["ssd_used"] == status["ssd_used_bytes"]
+    stats = admin_json(cluster, "stats")
+    assert stats["demotions"] == demoted
+    assert (stats["dram_dropped"], stats["demote_pending_bytes"]) == (0, 0)
+    human = admin(cluster, "status").stdout
+    assert "SSD       16.0 MiB" in human
+    assert f"{demoted} demoted" in human
