@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,8 @@ def test_a_store_killed_during_a_burst_re_adopts_every_completed_demotion(
         assert pool.batch_get(present) == [values[k] for k in present]
 
 
-def test_admin_shows_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[LocalCluster, Any]) -> None:
-    cluster, _ = tiered
+def test_admin_and_metrics_show_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, store_info = tiered
     values = {f"seen-{i}": os.urandom(PAGE) for i in range(400)}
     with client(cluster.master) as pool:
         fill(pool, values)
@@ -183,3 +184,24 @@ def test_admin_shows_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[Loca
     human = admin(cluster, "status").stdout
     assert "SSD       16.0 MiB" in human
     assert f"{demoted} demoted" in human
+    # Prometheus: what the dashboard's tier panels plot (k8s/grafana/kvpool-dashboard.json).
+    master = scrape(cluster.masters[0].endpoints["metrics"])
+    assert master["kvpool_master_demotions_total"] == demoted
+    assert master["kvpool_master_ssd_capacity_bytes"] == 16 << 20
+    for name in ("dram_dropped_total", "puts_backpressured_total", "promotions_total", "demote_pending_bytes"):
+        assert f"kvpool_master_{name}" in master
+    store = scrape(store_info.endpoints["metrics"])
+    assert store["kvpool_store_ssd_written_bytes_total"] >= demoted * PAGE
+    assert "kvpool_store_ssd_read_bytes_total" in store
+
+
+def scrape(endpoint: str) -> dict[str, float]:
+    """The unlabelled samples of a /metrics page."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    samples: dict[str, float] = {}
+    for line in body.splitlines():
+        name, _, value = line.partition(" ")
+        if line and not line.startswith("#") and "{" not in name:
+            samples[name] = float(value)
+    return samples

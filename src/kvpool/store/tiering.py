@@ -260,6 +260,10 @@ class StoreTier:
     data plane hook and the worker. Created at start, after ``SsdTier.scan`` re-adopted what a previous
     process of this store left in the directory."""
 
+    COUNTERS = frozenset({"ssd_written_bytes", "ssd_read_bytes"})
+    """The figures of :meth:`metrics` that only grow (Prometheus counters: SSD write and read GB/s are their
+    rates)."""
+
     def __init__(self, ssd: SsdTier, segment_id: int, secret: bytes) -> None:
         self.ssd = ssd
         self.segment_id = segment_id
