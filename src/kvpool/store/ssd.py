@@ -10,7 +10,7 @@ would bound the demotion rate far below the put rate.
 
 Demotions come in batches (:meth:`SsdTier.write_many`): verified and written by several threads, adjacent
 values in one ``pwritev``, page-aligned ones with ``O_DIRECT`` from the shared-memory segment to the disk,
-and one journal append per batch (docs/ssd-tier.md, docs/decisions/0035-batched-direct-demotion.md).
+and one journal append per batch (docs/ssd-tier.md, docs/decisions/0035-batched-direct-demotion-and-backpressure.md).
 
 What is where is kept in ``<ssd_dir>/journal.kvs``, append-only, so that a restarted store rebuilds its SSD
 inventory (Mooncake loses it on a restart: issue #2254)::
