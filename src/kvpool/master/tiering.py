@@ -54,6 +54,7 @@ from kvpool.master.eviction import Candidate
 from kvpool.master.objects import COMPLETE, HARD_PIN, ObjectMeta, Replica, ReplicaStatus
 from kvpool.master.segments import Segment, SegmentStatus, SegmentTable
 from kvpool.master.shards import Shard, ShardMap, StripedLocks
+from kvpool.master.task_queue import TaskQueue
 
 __all__ = [
     "TIER_DRAM",
@@ -128,17 +129,25 @@ class TierTask:
 
 
 class TierChannel:
-    """One store's FIFO of tier tasks and the tasks it was handed and has not reported yet."""
+    """One store's tier tasks: a :class:`TaskQueue` (master/task_queue.py, the pipeline moves use too) under
+    the channel lock, which also covers the SSD allocator (see the module docstring)."""
 
     def __init__(self, store_id: str) -> None:
         self.store_id = store_id
         self.lock = threading.Lock()
-        self.queue: deque[TierTask] = deque()
-        self.inflight: dict[int, TierTask] = {}
+        self.tasks: TaskQueue[TierTask] = TaskQueue(_task_id)
         self._next_id = 1
         self.backoff_until = 0.0
         """No new demotions to this store before this time (after repeated failures)."""
         self.failures = 0
+
+    @property
+    def queue(self) -> deque[TierTask]:
+        return self.tasks.queue
+
+    @property
+    def inflight(self) -> dict[int, TierTask]:
+        return self.tasks.inflight
 
     def push_locked(
         self,
@@ -153,57 +162,44 @@ class TierChannel:
         """Queue a task (caller holds ``lock``)."""
         task = TierTask(self._next_id, kind, key, src[0], src[1], dst[0], dst[1], length, checksum, now)
         self._next_id += 1
-        self.queue.append(task)
+        self.tasks.push(task)
         return task
 
     def take(self, limit: int, max_bytes: int = TAKE_MAX_BYTES) -> tuple[list[TierTask], int]:
         """Up to ``limit`` tasks in queue order, copying at most ``max_bytes`` (at least one task); DEMOTE and
-        PROMOTE become in flight. Also returns how many remain."""
-        out: list[TierTask] = []
-        copied = 0
+        PROMOTE become in flight (a DELETE needs no report). Also returns how many remain."""
         with self.lock:
-            queue = self.queue
-            while queue and len(out) < limit:
-                task = queue[0]
-                if task.kind != TaskKind.DELETE:
-                    if out and copied + task.length > max_bytes:
-                        break
-                    copied += task.length
-                    self.inflight[task.id] = task
-                queue.popleft()
-                out.append(task)
-            return out, len(queue)
+            out = self.tasks.take(limit, cost=_copy_bytes, budget=max_bytes, tracked=_reported)
+            return out, self.tasks.queued()
 
     def finish(self, task_id: int) -> TierTask | None:
         with self.lock:
-            return self.inflight.pop(task_id, None)
+            return self.tasks.finish(task_id)
 
     def expired(self, horizon: float) -> list[TierTask]:
         """Remove and return the DEMOTE/PROMOTE tasks created before ``horizon`` (queued or in flight)."""
         with self.lock:
-            old = [t for t in self.inflight.values() if t.created < horizon]
-            for task in old:
-                del self.inflight[task.id]
-            if self.queue and any(t.kind != TaskKind.DELETE and t.created < horizon for t in self.queue):
-                keep: deque[TierTask] = deque()
-                for task in self.queue:
-                    if task.kind != TaskKind.DELETE and task.created < horizon:
-                        old.append(task)
-                    else:
-                        keep.append(task)
-                self.queue = keep
-            return old
+            return self.tasks.remove_where(lambda t: t.kind != TaskKind.DELETE and t.created < horizon)
 
     def drain_all(self) -> list[TierTask]:
         """Every DEMOTE/PROMOTE task still open (the store is gone)."""
         with self.lock:
-            open_tasks = list(self.inflight.values()) + [t for t in self.queue if t.kind != TaskKind.DELETE]
-            self.inflight.clear()
-            self.queue.clear()
-            return open_tasks
+            return [t for t in self.tasks.drain() if t.kind != TaskKind.DELETE]
 
     def pending(self) -> int:
-        return len(self.queue) + len(self.inflight)
+        return len(self.tasks)
+
+
+def _task_id(task: TierTask) -> int:
+    return task.id
+
+
+def _reported(task: TierTask) -> bool:
+    return task.kind != TaskKind.DELETE
+
+
+def _copy_bytes(task: TierTask) -> int:
+    return 0 if task.kind == TaskKind.DELETE else task.length
 
 
 class TierAllocator(OffsetAllocator):
