@@ -53,8 +53,8 @@ def below_watermark(pool: PoolClient) -> bool:
 
 
 def fill(pool: PoolClient, values: dict[str, bytes], batch: int = 32) -> None:
-    """Put in batches at a pace demotion keeps up with (a put never waits for a demotion: when DRAM is full
-    it drops the least recently used object instead)."""
+    """Put in batches, each after the demotions of the last (so the figures the tests read are settled; the
+    burst test below puts at full speed)."""
     keys = list(values)
     for i in range(0, len(keys), batch):
         part = keys[i : i + batch]
