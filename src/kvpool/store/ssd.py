@@ -47,10 +47,11 @@ import fcntl
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DATA_FILE = "data.kvs"
 JOURNAL_FILE = "journal.kvs"
@@ -317,6 +321,12 @@ class SsdTier:
         if item.offset < 0 or length <= 0 or item.offset + length > self.capacity or len(item.key) > _MAX_KEY:
             return ErrorCode.OUT_OF_BOUNDS
         return ErrorCode.OK
+
+    def in_parallel(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``work`` over ``items`` on the tier's I/O threads (disk reads and writes release the GIL), in order."""
+        if len(items) <= 1:
+            return [work(item) for item in items]
+        return list(self._writers().map(work, items))
 
     def _writers(self) -> ThreadPoolExecutor:
         if self._pool is None:

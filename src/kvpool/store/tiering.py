@@ -140,22 +140,26 @@ class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
         return Pull(as_code(response.status.code), response.tasks, response.pending)
 
     def run_batch(self, tasks: Sequence[pb.TierTask]) -> list[pb.TierTaskResult]:
-        """Run a batch in its order; consecutive DEMOTEs are written together (SsdTier.write_many). A DELETE
-        is never reordered with the DEMOTEs around it: it may free the very range a later one writes."""
+        """Run a batch in its order; consecutive DEMOTEs are written together (SsdTier.write_many), consecutive
+        PROMOTEs read in parallel. A DELETE is never reordered with the tasks around it: it may free the very
+        range a later DEMOTE writes."""
         results: list[pb.TierTaskResult] = []
-        demotes: list[pb.TierTask] = []
-        for task in tasks:
-            if task.kind == _KIND_DEMOTE:
-                demotes.append(task)
-                continue
-            if demotes:
-                results += self._results(demotes, self.demote_many(demotes))
-                demotes = []
-            code = self.execute(task)
-            if task.kind != _KIND_DELETE:
-                results.append(pb.TierTaskResult(id=task.id, code=int(code)))
-        if demotes:
-            results += self._results(demotes, self.demote_many(demotes))
+        i = 0
+        while i < len(tasks):
+            kind = tasks[i].kind
+            end = i + 1
+            while end < len(tasks) and tasks[end].kind == kind and kind != _KIND_DELETE:
+                end += 1
+            run = tasks[i:end]
+            if kind == _KIND_DEMOTE:
+                results += self._results(run, self.demote_many(run))
+            elif kind == _KIND_PROMOTE:
+                results += self._results(run, self.promote_many(run))
+            else:
+                code = self.execute(run[0])
+                if kind != _KIND_DELETE:
+                    results.append(pb.TierTaskResult(id=run[0].id, code=int(code)))
+            i = end
         return results
 
     @staticmethod
@@ -168,13 +172,13 @@ class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
         """Run one task; never raises."""
         if task.kind == _KIND_DEMOTE:
             return self.demote_many([task])[0]
+        if task.kind == _KIND_PROMOTE:
+            return self.promote_many([task])[0]
         if self._late(task):
             self.stats.failed += 1
             return ErrorCode.TIMEOUT
         try:
-            if task.kind == _KIND_PROMOTE:
-                code = self._promote(task)
-            elif task.kind == _KIND_DELETE:
+            if task.kind == _KIND_DELETE:
                 code = ErrorCode.OK
                 if task.dst_segment == self._ssd_id and self._ssd.delete(task.dst_offset):
                     self.stats.deleted += 1
@@ -233,6 +237,25 @@ class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
             return None
         return seg.view[offset : offset + length]
 
+    def promote_many(self, tasks: Sequence[pb.TierTask]) -> list[ErrorCode]:
+        """Run a stretch of PROMOTEs, their disk reads in parallel; one code per task. Never raises."""
+        codes = self._ssd.in_parallel(self._promote_checked, tasks)
+        for code in codes:
+            if code == ErrorCode.OK:
+                self.stats.promoted += 1
+            else:
+                self.stats.failed += 1
+        return codes
+
+    def _promote_checked(self, task: pb.TierTask) -> ErrorCode:
+        if self._late(task):
+            return ErrorCode.TIMEOUT
+        try:
+            return self._promote(task)
+        except Exception:  # a bug must not stop the worker: report the task as failed
+            log.exception("tier task %s failed", task.id)
+            return ErrorCode.INTERNAL
+
     def _promote(self, task: pb.TierTask) -> ErrorCode:
         if task.src_segment != self._ssd_id:
             return ErrorCode.SEGMENT_NOT_FOUND
@@ -251,7 +274,6 @@ class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
             self._inventory.record_part(
                 task.dst_segment, task.dst_offset, task.length, key, task.checksum, 0, task.length
             )
-            self.stats.promoted += 1
         return code
 
 

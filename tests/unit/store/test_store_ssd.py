@@ -463,3 +463,43 @@ def test_a_delete_between_demotions_into_the_same_range_keeps_the_later_object(t
         assert bytes(dest) == second
     finally:
         seg.close()
+
+
+def test_a_stretch_of_promotions_is_read_in_parallel_each_checked(tmp_path: Path, tier: SsdTier) -> None:
+    page = 4096
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 18, segment_id=5)
+    inventory = Inventory()
+    try:
+        values = [value(page, seed) for seed in range(5)]
+        for i, data in enumerate(values):
+            assert put(tier, i * page, f"p{i}".encode(), data) == E.OK
+
+        def promote(task_id: int, i: int, **fields: Any) -> pb.TierTask:
+            task = pb.TierTask(
+                id=task_id,
+                kind=pb.TIER_PROMOTE,
+                key=f"p{i}",
+                src_segment=9,
+                src_offset=i * page,
+                dst_segment=5,
+                dst_offset=(10 + i) * page,
+                length=page,
+                checksum=checksum(values[i]),
+            )
+            for name, field_value in fields.items():
+                setattr(task, name, field_value)
+            return task
+
+        tasks = [promote(i + 1, i) for i in range(5)]
+        tasks[1].checksum ^= 1  # the SSD copy does not match: refused, never recorded
+        tasks[3].dst_segment = 6  # not our segment
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, inventory)
+        codes = [E(r.code) for r in worker.run_batch(tasks)]
+        assert codes == [E.OK, E.CHECKSUM_MISMATCH, E.OK, E.SEGMENT_NOT_FOUND, E.OK]
+        for i in (0, 2, 4):
+            assert bytes(seg.view[(10 + i) * page : (11 + i) * page]) == values[i]
+        recorded = sorted(e.key for e in inventory.entries(5))
+        assert recorded == [b"p0", b"p2", b"p4"]
+        assert (worker.stats.promoted, worker.stats.failed) == (3, 2)
+    finally:
+        seg.close()
