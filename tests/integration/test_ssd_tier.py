@@ -159,9 +159,10 @@ def test_a_store_killed_during_a_burst_re_adopts_every_completed_demotion(
     with client(cluster.master) as pool:
         wait_for(lambda: sum(pool.batch_exists(demoted)) == len(demoted), 30, "the demoted objects to come back")
         assert pool.batch_get(demoted) == [values[k] for k in demoted]
-        # Whatever else survived reads back right too (a cache may lose objects, never serve wrong bytes).
-        present = [k for k, e in zip(keys, pool.batch_exists(keys), strict=True) if e > 0]
-        assert pool.batch_get(present) == [values[k] for k in present]
+        # Every other read is a miss or the right bytes (a cache may lose objects, never serve wrong bytes;
+        # the dead process's DRAM objects stay listed until the master expires its segment).
+        wrong = [k for k, got in zip(keys, pool.batch_get(keys), strict=True) if got is not None and got != values[k]]
+        assert wrong == []
 
 
 def test_admin_and_metrics_show_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[LocalCluster, Any]) -> None:
