@@ -495,6 +495,7 @@ class MasterState:
         hits = 0
         # Reads served only by SSD replicas count towards promotion (leased reads only).
         ssd_hits: list[str] | None = [] if grant_lease and self.tiers.active else None
+        ssd_bytes = 0
         max_key = self._cfg.max_key_bytes
         for key in keys:
             try:
@@ -543,6 +544,7 @@ class MasterState:
             hits += 1
             if ssd_hits is not None and all(seg.tier for seg, _ in live):
                 ssd_hits.append(key)
+                ssd_bytes += size
             expiry_ms = int(lease_until * 1000.0 + wall_offset_ms) if grant_lease else no_lease_expiry_ms
             descs = tuple(
                 [
@@ -562,7 +564,7 @@ class MasterState:
             )
             append(GetResult(_OK, size, checksum, expiry_ms, descs))
         if ssd_hits:
-            self.tiers.note_hits(ssd_hits)
+            self.tiers.note_hits(ssd_hits, ssd_bytes)
         if grant_lease:
             with self._stats_lock:
                 self._hits += hits

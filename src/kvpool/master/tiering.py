@@ -84,6 +84,9 @@ TAKE_MAX_BYTES = 8 << 20
 master queues the next batch while the store writes this one (the store pulls again at once while tasks
 are pending): the disk never waits for a round trip."""
 
+RATE_WINDOW_SAMPLES = 6
+"""The SSD write/read rates in the stats are over the last this-many seconds (one sample a second)."""
+
 ABANDON_GRACE_S = 5.0
 """After a task is abandoned, how long a range the store could still have been writing stays allocated."""
 
@@ -239,6 +242,8 @@ class _Counters:
     pending_bytes: int = 0
     puts_backpressured: int = 0
     """Put keys refused with DEMOTION_BACKLOG (the client retries them)."""
+    ssd_read_granted_bytes: int = 0
+    """Bytes of leased reads the master sent to SSD-only replicas (re-reads under a cached lease skip it)."""
 
 
 class TierManager:
@@ -266,6 +271,8 @@ class TierManager:
         self._hits: OrderedDict[str, int] = OrderedDict()
         self._c = _Counters()
         self._next_expiry_check = 0.0
+        self._io_samples: deque[tuple[float, int, int]] = deque(maxlen=RATE_WINDOW_SAMPLES)
+        """(time, demoted bytes, SSD read bytes granted), one a second: the SSD write and read rates."""
         self.progress = threading.Event()
         """Set when demotions finish or a put waits for them: the eviction thread runs at once (it queues
         the next demotions while DRAM is above its watermark) instead of at its next interval."""
@@ -430,9 +437,12 @@ class TierManager:
 
     # ------------------------------------------------------------------ promotion
 
-    def note_hits(self, keys: Sequence[str]) -> int:
-        """Reads of SSD-only objects; promotes those read ``promote_after_hits`` times. Returns promotions
-        started."""
+    def note_hits(self, keys: Sequence[str], nbytes: int = 0) -> int:
+        """Reads of SSD-only objects (``nbytes`` in all); promotes those read ``promote_after_hits`` times.
+        Returns promotions started."""
+        if nbytes:
+            with self._lock:
+                self._c.ssd_read_granted_bytes += nbytes
         threshold = self._cfg.promote_after_hits
         if threshold <= 0:
             return 0
@@ -608,6 +618,8 @@ class TierManager:
         if now >= self._next_expiry_check:  # once a second is plenty for a 30 s timeout
             self._next_expiry_check = now + 1.0
             self._expire_tasks(now)
+            with self._lock:
+                self._io_samples.append((now, self._c.demoted_bytes, self._c.ssd_read_granted_bytes))
         dropped = 0
         cfg = self._cfg
         for seg in [s for s in self._table.segments() if s.tier]:
@@ -710,10 +722,20 @@ class TierManager:
                 "tier_tasks_expired": c.tasks_expired,
                 "demote_pending_bytes": c.pending_bytes,
                 "puts_backpressured": c.puts_backpressured,
+                "ssd_read_granted_bytes": c.ssd_read_granted_bytes,
+                **_rates(self._io_samples),
             }
             channels = list(self._channels.values())
         out["tier_tasks_pending"] = sum(ch.pending() for ch in channels)
         return out
+
+
+def _rates(samples: deque[tuple[float, int, int]]) -> dict[str, int]:
+    """SSD write (demotions) and read (granted) bytes per second over the sampled window."""
+    if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+        return {"ssd_write_bps": 0, "ssd_read_bps": 0}
+    (t0, w0, r0), (t1, w1, r1) = samples[0], samples[-1]
+    return {"ssd_write_bps": int((w1 - w0) / (t1 - t0)), "ssd_read_bps": int((r1 - r0) / (t1 - t0))}
 
 
 def _still_victim(meta: ObjectMeta, cand: Candidate, now: float) -> bool:

@@ -89,6 +89,9 @@ TIER_STATS = (
     "ssd_evicted_bytes",
     "tier_tasks_pending",
     "tier_tasks_expired",
+    "ssd_read_granted_bytes",
+    "ssd_write_bps",
+    "ssd_read_bps",
 )
 """The SSD tier's figures in ``StatsResponse.extra`` (master/tier_service.py), shown by ``stats``."""
 
@@ -105,7 +108,8 @@ def _tier_lines(d: dict[str, Any]) -> str:
         f"\nSSD       {format_size(d['ssd_capacity_bytes'])}, used {format_size(d['ssd_used_bytes'])} "
         f"({d['ssd_used_bytes'] / d['ssd_capacity_bytes']:.1%})\n"
         f"tiering   {d['demotions']} demoted, {d['promotions']} promoted, {d['dram_dropped']} dropped, "
-        f"backlog {format_size(d['demote_pending_bytes'])}"
+        f"backlog {format_size(d['demote_pending_bytes'])}\n"
+        f"SSD I/O   write {d['ssd_write_bps'] / 1e9:.3f} GB/s, read {d['ssd_read_bps'] / 1e9:.3f} GB/s"
     )
 
 

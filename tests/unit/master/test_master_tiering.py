@@ -396,3 +396,18 @@ def test_a_store_takes_at_most_a_byte_budget_of_copies_per_exchange_and_deletes_
     assert (left, sorted(channel.inflight)) == (4, [t.id for t in first if t.kind == TaskKind.DEMOTE])
     huge, _ = channel.take(100, max_bytes=1)  # one copy always goes, whatever its size
     assert [t.key for t in huge] == ["k2", ""]
+
+
+def test_stats_give_the_ssd_write_and_read_rates_over_the_last_seconds() -> None:
+    c = tiered()
+    keys = put_pages(c, 4)
+    c.state.tiers.maintain()  # first sample: nothing demoted yet
+    c.state.evict(4 * PAGE)
+    report(c, [(t, E.OK) for t in tasks(c)])
+    [res] = c.get(keys[0])  # a leased read of an SSD-only object
+    assert res.code == OK
+    c.advance(2)
+    c.state.tiers.maintain()
+    stats = c.state.tiers.stats()
+    assert (stats["demoted_bytes"], stats["ssd_read_granted_bytes"]) == (4 * PAGE, PAGE)
+    assert (stats["ssd_write_bps"], stats["ssd_read_bps"]) == (2 * PAGE, PAGE // 2)
