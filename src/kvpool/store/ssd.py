@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import xxhash
 
@@ -93,6 +93,8 @@ RUN_MAX_BYTES = 8 << 20
 """A batch's adjacent objects are written with one pwritev of at most this many bytes."""
 RUN_MAX_PARTS = 512
 """... and at most this many buffers (below IOV_MAX)."""
+PARALLEL_MIN_BYTES = 64 << 10
+"""Values (and runs) at least this big are hashed and written on the I/O threads; smaller ones inline."""
 WRITERS = 4
 """Threads that write a batch's runs (and verify its checksums) in parallel; the disk takes several
 requests at once, and each pwritev releases the GIL."""
@@ -280,9 +282,8 @@ class SsdTier:
         """Store a batch of objects (one code per item, in order): checksums verified and values written in
         parallel, adjacent values in one ``pwritev``, then one journal append for the whole batch."""
         codes: list[ErrorCode] = [self._refuse(item) for item in items]
-        pool = self._writers()
         candidates = [i for i, code in enumerate(codes) if code == ErrorCode.OK]
-        sums = list(pool.map(lambda i: checksum(items[i].value), candidates))
+        sums = self._map(lambda i: checksum(items[i].value), candidates, lambda i: len(items[i].value))
         for i, value_checksum in zip(candidates, sums, strict=True):
             if value_checksum != items[i].checksum:
                 codes[i] = ErrorCode.CHECKSUM_MISMATCH
@@ -293,7 +294,7 @@ class SsdTier:
             for i in valid:
                 for old in self._overlapping(items[i].offset, len(items[i].value)):
                     self._remove(old)
-            for run, failure in zip(runs, pool.map(self._write_run, runs), strict=True):
+            for run, failure in zip(runs, self._map(self._write_run, runs, lambda r: r.length), strict=True):
                 if failure is not None:
                     for i in run.indexes:
                         codes[i] = failure
@@ -321,6 +322,21 @@ class SsdTier:
         if item.offset < 0 or length <= 0 or item.offset + length > self.capacity or len(item.key) > _MAX_KEY:
             return ErrorCode.OUT_OF_BOUNDS
         return ErrorCode.OK
+
+    def _map(self, work: Callable[[T], R], items: Sequence[T], size: Callable[[T], int]) -> list[R]:
+        """``work`` over ``items`` in order: the large ones on the I/O threads, the small ones inline (a thread
+        hand-off costs more than hashing or writing a few KiB, and xxhash keeps the GIL below 64 KiB)."""
+        large = [i for i, item in enumerate(items) if size(item) >= PARALLEL_MIN_BYTES]
+        if len(large) <= 1:
+            return [work(item) for item in items]
+        out: list[R | None] = [None] * len(items)
+        futures = {i: self._writers().submit(work, items[i]) for i in large}
+        for i, item in enumerate(items):
+            if i not in futures:
+                out[i] = work(item)
+        for i, future in futures.items():
+            out[i] = future.result()
+        return cast(list[R], out)
 
     def in_parallel(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """``work`` over ``items`` on the tier's I/O threads (disk reads and writes release the GIL), in order."""

@@ -503,3 +503,24 @@ def test_a_stretch_of_promotions_is_read_in_parallel_each_checked(tmp_path: Path
         assert (worker.stats.promoted, worker.stats.failed) == (3, 2)
     finally:
         seg.close()
+
+
+def test_large_values_are_hashed_and_written_on_the_io_threads(tmp_path: Path, tier: SsdTier) -> None:
+    big = 64 << 10
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 19, segment_id=5)
+    try:
+        values = [os.urandom(big) for _ in range(4)]
+        for i, data in enumerate(values):
+            seg.view[i * big : (i + 1) * big] = data
+        # Every other 64 KiB slot: four runs, none adjacent; the third is corrupt.
+        tasks = [demote_task(i + 1, f"b{i}", i * big, 2 * i * big, d) for i, d in enumerate(values)]
+        tasks[2].checksum ^= 1
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
+        assert [E(r.code) for r in worker.run_batch(tasks)] == [E.OK, E.OK, E.CHECKSUM_MISMATCH, E.OK]
+        for i in (0, 1, 3):
+            dest = bytearray(big)
+            assert tier.read_into(2 * i * big, f"b{i}".encode(), memoryview(dest), checksum(values[i])) == E.OK
+            assert bytes(dest) == values[i]
+        assert tier.written_bytes == 3 * big
+    finally:
+        seg.close()
