@@ -206,3 +206,19 @@ def scrape(endpoint: str) -> dict[str, float]:
         if line and not line.startswith("#") and "{" not in name:
             samples[name] = float(value)
     return samples
+
+
+def test_a_burst_at_full_speed_is_held_back_not_dropped(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, _ = tiered
+    values = {f"fast-{i}": os.urandom(4 * PAGE) for i in range(256)}  # 4x the DRAM, no pause between puts
+    keys = list(values)
+    with client(cluster.master) as pool:
+        for i in range(0, len(keys), 16):
+            part = keys[i : i + 16]
+            assert pool.batch_put(part, [values[k] for k in part], timeout=30.0) == [0] * len(part)
+        stats = tier_stats(pool)
+        assert stats["puts_backpressured"] > 0  # the puts outran the disk and were held back
+        assert (stats["dram_dropped"], stats["dram_dropped_urgent"]) == (0, 0)
+        assert pool.metrics()["put_backlog_retries"] > 0
+        assert pool.batch_exists(keys) == [1] * len(keys)
+        assert pool.batch_get(keys) == [values[k] for k in keys]
