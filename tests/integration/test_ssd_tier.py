@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from kvpool.client import PoolClient
+from kvpool.common import failpoints
 from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools.local_cluster import LocalCluster
@@ -222,3 +224,38 @@ def test_a_burst_at_full_speed_is_held_back_not_dropped(tiered: tuple[LocalClust
         assert pool.metrics()["put_backlog_retries"] > 0
         assert pool.batch_exists(keys) == [1] * len(keys)
         assert pool.batch_get(keys) == [values[k] for k in keys]
+
+
+def test_a_put_held_back_by_a_slow_disk_fails_at_its_deadline_and_drops_nothing(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    slow_disk = {"KVPOOL_FAILPOINTS": f"{failpoints.STORE_TIER_BEFORE_WRITE}=sleep:3"}
+    cluster = make_cluster(stores=0, master_args=TIER_MASTER, env=slow_disk)
+    cluster.add_store(size=str(DRAM), extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    values = {f"slow-{i}": os.urandom(4 * PAGE) for i in range(160)}  # 2.5x the DRAM
+    keys = list(values)
+    with client(cluster.master) as pool:
+        accepted: list[str] = []
+        refused: list[str] = []
+        for i in range(0, len(keys), 8):
+            part = keys[i : i + 8]
+            started = time.monotonic()
+            codes = pool.batch_put(part, [values[k] for k in part], timeout=0.5)
+            elapsed = time.monotonic() - started
+            assert set(codes) <= {0, ErrorCode.DEMOTION_BACKLOG}
+            accepted += [k for k, c in zip(part, codes, strict=True) if c == 0]
+            refused = [k for k, c in zip(part, codes, strict=True) if c != 0]
+            if refused:
+                break
+        assert refused  # held back while the disk sleeps...
+        assert elapsed < 0.5 + 1.0  # ...but no longer than the put's deadline (+ slack)
+        assert tier_stats(pool)["dram_dropped"] == 0
+        # Once the batch reaches the disk, the same puts go through; nothing was dropped meanwhile.
+        wait_for(
+            lambda: pool.batch_put(refused, [values[k] for k in refused], timeout=0.5) == [0] * len(refused),
+            30,
+            "the held-back puts to go through",
+        )
+        stored = accepted + refused
+        assert pool.batch_get(stored) == [values[k] for k in stored]
+        assert tier_stats(pool)["dram_dropped"] == 0

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.failpoints import STORE_TIER_BEFORE_WRITE, failpoint
 from kvpool.common.grants import verify
 from kvpool.common.log import get_logger
 from kvpool.proto import master_pb2 as pb
@@ -214,6 +215,7 @@ class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
                     continue
                 if src is not None:
                     src.release()
+            failpoint(STORE_TIER_BEFORE_WRITE)  # tests: a disk slower than the puts
             for i, code in zip(started, self._ssd.write_many(items), strict=True):
                 codes[i] = code
         except Exception:  # a bug must not stop the worker: report what is left as failed
