@@ -48,7 +48,7 @@ Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, mem
 # Codes a put maps to success: the value is immutable and already there (or on its way).
 _PUT_OK = {ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_NOT_READY}
 BACKLOG_FIRST_PAUSE_S = 0.001
-BACKLOG_MAX_PAUSE_S = 0.05
+BACKLOG_MAX_PAUSE_S = 0.01
 """Pauses before asking again for keys refused with DEMOTION_BACKLOG (PoolClient._start_puts)."""
 
 
@@ -323,7 +323,10 @@ class PoolClient:
                 config=request.config,
             )
             self._counters.add(put_backlog_retries=len(waiting))
-            answer = self._master.call(frames.Op.BATCH_PUT_START, again, deadline)
+            try:
+                answer = self._master.call(frames.Op.BATCH_PUT_START, again, deadline)
+            except KvPoolError:  # the deadline ran out during the retry: those keys keep saying why
+                return started
             for i, result in zip(waiting, answer.results, strict=True):
                 started.results[i].CopyFrom(result)
 
