@@ -4,7 +4,9 @@ promotion after repeated reads, and re-adoption of the SSD objects when the stor
 from __future__ import annotations
 
 import os
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,11 +14,14 @@ from typing import Any
 import pytest
 
 from kvpool.client import PoolClient
+from kvpool.common import failpoints
 from kvpool.common.clock import Deadline
+from kvpool.common.errors import ErrorCode
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.tools.local_cluster import LocalCluster
 from tests.support.cluster import FAST_MASTER, client, wait_for
+from tests.support.drain import admin, admin_json
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +55,8 @@ def below_watermark(pool: PoolClient) -> bool:
 
 
 def fill(pool: PoolClient, values: dict[str, bytes], batch: int = 32) -> None:
-    """Put in batches at a pace demotion keeps up with (a put never waits for a demotion: when DRAM is full
-    it drops the least recently used object instead)."""
+    """Put in batches, each after the demotions of the last (so the figures the tests read are settled; the
+    burst test below puts at full speed)."""
     keys = list(values)
     for i in range(0, len(keys), batch):
         part = keys[i : i + batch]
@@ -117,3 +122,140 @@ def test_a_restarted_store_re_adopts_its_ssd_objects(tiered: tuple[LocalCluster,
         assert pool.batch_exists(list(more)) == [1] * len(more)
         assert pool.batch_get(on_ssd[:20]) == [values[k] for k in on_ssd[:20]]
     assert time.monotonic() - started < 30
+
+
+def test_a_store_killed_during_a_burst_re_adopts_every_completed_demotion(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    value_bytes = 4 * PAGE
+    cluster = make_cluster(stores=0, master_args=TIER_MASTER)
+    ssd = ("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB")
+    store = cluster.add_store(size=str(DRAM), extra=ssd)
+    values = {f"burst-{i}": os.urandom(value_bytes) for i in range(900)}  # 14x the DRAM, within the SSD
+    keys = list(values)
+    stop = threading.Event()
+    put_codes: list[int] = []
+
+    def burst() -> None:  # full speed: no waiting for demotions, the pool's backpressure paces it
+        with client(cluster.master) as writer:
+            for i in range(0, len(keys), 16):
+                if stop.is_set():
+                    return
+                part = keys[i : i + 16]
+                put_codes.extend(writer.batch_put(part, [values[k] for k in part], timeout=5.0))
+
+    writer = threading.Thread(target=burst)
+    writer.start()
+    try:
+        with client(cluster.master) as pool:
+            wait_for(lambda: tier_stats(pool).get("demotions", 0) >= 100, 30, "100 demotions")
+            assert writer.is_alive()  # the kill lands during the burst
+            # Every object the master holds on SSD now had its demotion completed (and reported).
+            demoted = [k for k, tiers in zip(keys, replica_tiers(pool, keys), strict=True) if 1 in tiers]
+            cluster.kill(store)  # SIGKILL: no unmount, no flush
+    finally:
+        stop.set()
+        writer.join(30)
+    assert len(demoted) >= 100
+    cluster.restart(store)
+    with client(cluster.master) as pool:
+        wait_for(lambda: sum(pool.batch_exists(demoted)) == len(demoted), 30, "the demoted objects to come back")
+        assert pool.batch_get(demoted) == [values[k] for k in demoted]
+        # Every other read is a miss or the right bytes (a cache may lose objects, never serve wrong bytes;
+        # the dead process's DRAM objects stay listed until the master expires its segment).
+        wrong = [k for k, got in zip(keys, pool.batch_get(keys), strict=True) if got is not None and got != values[k]]
+        assert wrong == []
+
+
+def test_admin_and_metrics_show_dram_and_ssd_apart_and_the_tier_counters(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, store_info = tiered
+    values = {f"seen-{i}": os.urandom(PAGE) for i in range(400)}
+    with client(cluster.master) as pool:
+        fill(pool, values)
+        demoted = int(tier_stats(pool)["demotions"])
+    assert demoted >= 100
+    status = admin_json(cluster, "status")
+    assert (status["capacity"], status["ssd_capacity_bytes"]) == (DRAM, 16 << 20)
+    assert status["ssd_used_bytes"] >= demoted * PAGE
+    assert status["used"] <= DRAM
+    [node] = admin_json(cluster, "nodes")["nodes"]
+    assert (node["capacity"], node["ssd_capacity"]) == (DRAM, 16 << 20)
+    assert node["ssd_used"] == status["ssd_used_bytes"]
+    stats = admin_json(cluster, "stats")
+    assert stats["demotions"] == demoted
+    assert (stats["dram_dropped"], stats["demote_pending_bytes"]) == (0, 0)
+    human = admin(cluster, "status").stdout
+    assert "SSD       16.0 MiB" in human
+    assert f"{demoted} demoted" in human
+    # Prometheus: what the dashboard's tier panels plot (k8s/grafana/kvpool-dashboard.json).
+    master = scrape(cluster.masters[0].endpoints["metrics"])
+    assert master["kvpool_master_demotions_total"] == demoted
+    assert master["kvpool_master_ssd_capacity_bytes"] == 16 << 20
+    for name in ("dram_dropped_total", "puts_backpressured_total", "promotions_total", "demote_pending_bytes"):
+        assert f"kvpool_master_{name}" in master
+    store = scrape(store_info.endpoints["metrics"])
+    assert store["kvpool_store_ssd_written_bytes_total"] >= demoted * PAGE
+    assert "kvpool_store_ssd_read_bytes_total" in store
+
+
+def scrape(endpoint: str) -> dict[str, float]:
+    """The unlabelled samples of a /metrics page."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    samples: dict[str, float] = {}
+    for line in body.splitlines():
+        name, _, value = line.partition(" ")
+        if line and not line.startswith("#") and "{" not in name:
+            samples[name] = float(value)
+    return samples
+
+
+def test_a_burst_at_full_speed_is_held_back_not_dropped(tiered: tuple[LocalCluster, Any]) -> None:
+    cluster, _ = tiered
+    values = {f"fast-{i}": os.urandom(4 * PAGE) for i in range(256)}  # 4x the DRAM, no pause between puts
+    keys = list(values)
+    with client(cluster.master) as pool:
+        for i in range(0, len(keys), 16):
+            part = keys[i : i + 16]
+            assert pool.batch_put(part, [values[k] for k in part], timeout=30.0) == [0] * len(part)
+        stats = tier_stats(pool)
+        assert stats["puts_backpressured"] > 0  # the puts outran the disk and were held back
+        assert (stats["dram_dropped"], stats["dram_dropped_urgent"]) == (0, 0)
+        assert pool.metrics()["put_backlog_retries"] > 0
+        assert pool.batch_exists(keys) == [1] * len(keys)
+        assert pool.batch_get(keys) == [values[k] for k in keys]
+
+
+def test_a_put_held_back_by_a_slow_disk_fails_at_its_deadline_and_drops_nothing(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    slow_disk = {"KVPOOL_FAILPOINTS": f"{failpoints.STORE_TIER_BEFORE_WRITE}=sleep:3"}
+    cluster = make_cluster(stores=0, master_args=TIER_MASTER, env=slow_disk)
+    cluster.add_store(size=str(DRAM), extra=("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "16MiB"))
+    values = {f"slow-{i}": os.urandom(4 * PAGE) for i in range(160)}  # 2.5x the DRAM
+    keys = list(values)
+    with client(cluster.master) as pool:
+        accepted: list[str] = []
+        refused: list[str] = []
+        for i in range(0, len(keys), 8):
+            part = keys[i : i + 8]
+            started = time.monotonic()
+            codes = pool.batch_put(part, [values[k] for k in part], timeout=0.5)
+            elapsed = time.monotonic() - started
+            assert set(codes) <= {0, ErrorCode.DEMOTION_BACKLOG}
+            accepted += [k for k, c in zip(part, codes, strict=True) if c == 0]
+            refused = [k for k, c in zip(part, codes, strict=True) if c != 0]
+            if refused:
+                break
+        assert refused  # held back while the disk sleeps...
+        assert elapsed < 0.5 + 1.0  # ...but no longer than the put's deadline (+ slack)
+        assert tier_stats(pool)["dram_dropped"] == 0
+        # Once the batch reaches the disk, the same puts go through; nothing was dropped meanwhile.
+        wait_for(
+            lambda: pool.batch_put(refused, [values[k] for k in refused], timeout=0.5) == [0] * len(refused),
+            30,
+            "the held-back puts to go through",
+        )
+        stored = accepted + refused
+        assert pool.batch_get(stored) == [values[k] for k in stored]
+        assert tier_stats(pool)["dram_dropped"] == 0

@@ -50,6 +50,16 @@ METRICS = {
     "kvpool_store_bytes_read_total",
     "kvpool_store_bytes_written_total",
     "kvpool_store_connections",
+    # the SSD tier (docs/ssd-tier.md)
+    "kvpool_master_ssd_used_bytes",
+    "kvpool_master_ssd_capacity_bytes",
+    "kvpool_master_demotions_total",
+    "kvpool_master_promotions_total",
+    "kvpool_master_dram_dropped_total",
+    "kvpool_master_puts_backpressured_total",
+    "kvpool_master_demote_pending_bytes",
+    "kvpool_store_ssd_written_bytes_total",
+    "kvpool_store_ssd_read_bytes_total",
 }
 HISTOGRAMS = {"kvpool_master_request_seconds"}
 

@@ -57,6 +57,9 @@ _SUSPECT_S = 5.0
 
 # Codes a put maps to success: the value is immutable and already there (or on its way).
 _PUT_OK = {ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_NOT_READY}
+BACKLOG_FIRST_PAUSE_S = 0.001
+BACKLOG_MAX_PAUSE_S = 0.01
+"""Pauses before asking again for keys refused with DEMOTION_BACKLOG (PoolClient._start_puts)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class _Counters:
         "lookups",
         "lookup_hits",
         "degraded_calls",
+        "put_backlog_retries",
     )
 
     def __init__(self) -> None:
@@ -308,7 +312,7 @@ class PoolClient:
             config=(config or PutConfig()).to_proto(self.config.replica_num, self.node),
         )
         try:
-            started = self._master.call(frames.Op.BATCH_PUT_START, request, deadline)
+            started = self._start_puts(request, deadline)
         except KvPoolError as exc:
             self._counters.add(put_errors=len(keys), degraded_calls=1)
             return [int(exc.code)] * len(keys)
@@ -333,6 +337,33 @@ class PoolClient:
             put_bytes=sum(len(v) for v, c in zip(views, codes, strict=True) if c == 0),
         )
         return codes
+
+    def _start_puts(self, request: pb.BatchPutStartRequest, deadline: Deadline) -> pb.BatchPutStartResponse:
+        """BatchPutStart. Keys refused with DEMOTION_BACKLOG (DRAM full of objects being demoted to an SSD
+        tier: docs/ssd-tier.md) are asked for again after a pause that doubles each time, until the
+        deadline; past it they keep that code (the put fails, counted as a put error)."""
+        started: pb.BatchPutStartResponse = self._master.call(frames.Op.BATCH_PUT_START, request, deadline)
+        pause = BACKLOG_FIRST_PAUSE_S
+        while True:
+            waiting = [i for i, r in enumerate(started.results) if r.code == ErrorCode.DEMOTION_BACKLOG]
+            remaining = deadline.remaining()
+            if not waiting or (remaining is not None and remaining <= pause):
+                return started
+            time.sleep(pause)
+            pause = min(2 * pause, BACKLOG_MAX_PAUSE_S)
+            again = pb.BatchPutStartRequest(
+                keys=[request.keys[i] for i in waiting],
+                sizes=[request.sizes[i] for i in waiting],
+                client_id=request.client_id,
+                config=request.config,
+            )
+            self._counters.add(put_backlog_retries=len(waiting))
+            try:
+                answer = self._master.call(frames.Op.BATCH_PUT_START, again, deadline)
+            except KvPoolError:  # the deadline ran out during the retry: those keys keep saying why
+                return started
+            for i, result in zip(waiting, answer.results, strict=True):
+                started.results[i].CopyFrom(result)
 
     def _write_all(self, transfers: list[tuple[int, TransferRequest]], deadline: Deadline) -> dict[int, ErrorCode]:
         """Write every replica; a key's code is its first failure (all replicas must land)."""

@@ -60,6 +60,9 @@ class ErrorCode(IntEnum):
     # -200 .. -299: allocation
     NO_SPACE = -200
     """No segment can hold the object even after eviction."""
+    DEMOTION_BACKLOG = -230
+    """DRAM is full of objects being demoted to an SSD tier: retry shortly (the client does, until its
+    deadline). The SSD tier's backpressure (docs/ssd-tier.md)."""
 
     # -300 .. -399: segments and membership
     SEGMENT_NOT_FOUND = -300
@@ -139,6 +142,7 @@ _MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.ILLEGAL_CLIENT: "only the client that started a put may end or revoke it",
     ErrorCode.NO_PUT_IN_PROGRESS: "no put of this key is in progress",
     ErrorCode.NO_SPACE: "no writable segment can hold the object (no stores, all full, or all draining)",
+    ErrorCode.DEMOTION_BACKLOG: "DRAM is full while objects are being demoted to the SSD tier (the client retries within its deadline)",
     ErrorCode.SEGMENT_NOT_FOUND: "no such segment",
     ErrorCode.SEGMENT_ALREADY_EXISTS: "the segment is already mounted",
     ErrorCode.SEGMENT_NOT_WRITABLE: "the segment is draining or drained: readable, but takes no new objects",

@@ -29,6 +29,8 @@ EXIT_CODE = 77
 
 CLIENT_PUT_BEFORE_END = "client.put.before_end"
 """PoolClient.batch_put_from: the bytes are written to the stores, PutEnd has not been sent."""
+STORE_TIER_BEFORE_WRITE = "store.tier.before_write"
+"""TierWorker.demote_many: a batch of demotions is about to be written to the SSD (a slow disk)."""
 
 
 class FailpointError(RuntimeError):

@@ -79,7 +79,8 @@ class MasterConfig:
     )
     demote_max_pending: float = option(
         0.25,
-        "Most DRAM (fraction of the pool) waiting to be demoted; past it eviction drops instead of demoting.",
+        "Most DRAM (fraction of the pool) waiting to be demoted; past it victims wait in DRAM and puts that find "
+        "DRAM full are held back (DEMOTION_BACKLOG) until demotions catch up.",
     )
     tier_task_timeout_s: float = option(
         30.0, "A demote/promote task not reported done after this long is abandoned.", parse=parse_duration

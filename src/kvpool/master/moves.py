@@ -35,7 +35,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -46,6 +45,7 @@ from kvpool.common.log import get_logger
 from kvpool.master.objects import COMPLETE, ObjectMeta, Replica, ReplicaStatus
 from kvpool.master.segments import Segment, SegmentStatus
 from kvpool.master.shards import Shard
+from kvpool.master.task_queue import TaskQueue
 from kvpool.master.types import ReplicaGrant
 
 if TYPE_CHECKING:
@@ -199,7 +199,9 @@ class MoveEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._moves: dict[int, _Move] = {}
-        self._queued: dict[str, deque[int]] = {}
+        self._queued: dict[str, TaskQueue[int]] = {}
+        """Target store -> its moves by task id: queued until the store pulls them, then in flight
+        (master/task_queue.py, the pipeline tier tasks use too)."""
         self._per_store: dict[str, int] = {}
         self._per_job: dict[str, int] = {}
         self._outgoing: dict[int, int] = {}
@@ -407,7 +409,7 @@ class MoveEngine:
         move = _Move(task, source, source_offset, target, target_offset, now + self.timeout_s)
         with self._lock:
             self._moves[task_id] = move
-            self._queued.setdefault(target.store_id, deque()).append(task_id)
+            self._queue_of(target.store_id).push(task_id)
             self._per_store[target.store_id] = self._per_store.get(target.store_id, 0) + 1
             self._per_job[job] = self._per_job.get(job, 0) + 1
             self._outgoing[source.id] = self._outgoing.get(source.id, 0) + size
@@ -435,17 +437,22 @@ class MoveEngine:
         out: list[MoveTask] = []
         with self._lock:
             queue = self._queued.get(store_id)
-            while queue and len(out) < limit:
-                move = self._moves.get(queue.popleft())
-                if move is not None and not move.delivered:
-                    move.delivered = True
-                    out.append(move.task)
+            for task_id in queue.take(limit) if queue is not None else []:
+                move = self._moves[task_id]
+                move.delivered = True
+                out.append(move.task)
         return out
 
     def pending_for(self, store_id: str) -> int:
         """Tasks queued for ``store_id`` and not handed out yet."""
         queue = self._queued.get(store_id)
-        return len(queue) if queue else 0
+        return queue.queued() if queue is not None else 0
+
+    def _queue_of(self, store_id: str) -> TaskQueue[int]:
+        queue = self._queued.get(store_id)
+        if queue is None:
+            queue = self._queued[store_id] = TaskQueue(_same)
+        return queue
 
     def in_flight(self, job: str | None = None) -> int:
         """Moves planned and not finished (of one job, or all)."""
@@ -527,13 +534,9 @@ class MoveEngine:
             if move is None:
                 return None
             task = move.task
-            if not move.delivered:
-                queue = self._queued.get(task.target_store)
-                if queue is not None:
-                    try:
-                        queue.remove(task_id)
-                    except ValueError:
-                        pass
+            queue = self._queued.get(task.target_store)
+            if queue is not None:
+                queue.withdraw(task_id)
             _dec(self._per_store, task.target_store, 1)
             _dec(self._per_job, task.job, 1)
             _dec(self._outgoing, move.source.id, task.size)
@@ -610,6 +613,10 @@ class MoveEngine:
         if len(self._backoff) >= _BACKOFF_LIMIT:
             self._backoff.clear()  # bounded memory; at worst a failing object is retried sooner
         self._backoff[key] = (failures, self._clock.monotonic() + RETRY_BACKOFF_S * min(failures, 30))
+
+
+def _same(task_id: int) -> int:
+    return task_id
 
 
 def _movable(meta: ObjectMeta, sources: frozenset[int]) -> bool:

@@ -602,7 +602,12 @@ class Maintenance(threading.Thread):
 
     def run(self) -> None:
         next_slow = 0.0
-        while not self._stop.wait(self._config.eviction_interval_s):
+        progress = self.state.tiers.progress  # demotions finished or puts wait for them: evict at once
+        while not self._stop.is_set():
+            progress.wait(self._config.eviction_interval_s)
+            progress.clear()
+            if self._stop.is_set():
+                break
             if not self._role.serving:
                 continue
             state = self.state
@@ -622,6 +627,7 @@ class Maintenance(threading.Thread):
 
     def stop(self) -> None:
         self._stop.set()
+        self.state.tiers.progress.set()
 
 
 class MasterServer:

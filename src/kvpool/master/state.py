@@ -423,12 +423,36 @@ class MasterState:
         # Evicting cannot help an object larger than every allocatable segment.
         largest = max((s.size for s in self._table.allocatable), default=0)
         retry = [i for i in range(n) if results[i] is None and sizes[i] <= largest]
+        if retry and self.tiers.active:
+            retry = self._wait_for_demotions(client_id, keys, sizes, ctx, results, retry)
         if retry:
             need = sum(sizes[i] for i in retry)
             self.evict(max(need, self._default_eviction_bytes()), urgent=True)
             for i in retry:
                 results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
         return [r if r is not None else PutStartResult(ErrorCode.NO_SPACE) for r in results]
+
+    def _wait_for_demotions(
+        self,
+        client_id: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        ctx: _PutContext,
+        results: list[PutStartResult | None],
+        retry: list[int],
+    ) -> list[int]:
+        """SSD tier backpressure (docs/ssd-tier.md): rather than drop objects to fit a put, queue demotions
+        and refuse the put with DEMOTION_BACKLOG (the client retries) while demotions in flight will free
+        DRAM. Returns the keys left for the urgent eviction (none while a backlog is draining)."""
+        self.evict(max(sum(sizes[i] for i in retry), self._default_eviction_bytes()))
+        for i in retry:
+            results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
+        retry = [i for i in retry if results[i] is None]
+        if retry and self.tiers.backpressure(len(retry)):
+            for i in retry:
+                results[i] = PutStartResult(ErrorCode.DEMOTION_BACKLOG)
+            return []
+        return retry
 
     def put_end(self, client_id: str, keys: Sequence[str], checksums: Sequence[int]) -> list[ErrorCode]:
         """Make objects visible: replicas COMPLETE, checksum recorded, LRU position = now.
@@ -549,6 +573,7 @@ class MasterState:
         hits = 0
         # Reads served only by SSD replicas count towards promotion (leased reads only).
         ssd_hits: list[str] | None = [] if grant_lease and self.tiers.active else None
+        ssd_bytes = 0
         max_key = self._cfg.max_key_bytes
         for key in keys:
             try:
@@ -597,6 +622,7 @@ class MasterState:
             hits += 1
             if ssd_hits is not None and all(seg.tier for seg, _ in live):
                 ssd_hits.append(key)
+                ssd_bytes += size
             expiry_ms = int(lease_until * 1000.0 + wall_offset_ms) if grant_lease else no_lease_expiry_ms
             descs = tuple(
                 [
@@ -616,7 +642,7 @@ class MasterState:
             )
             append(GetResult(_OK, size, checksum, expiry_ms, descs))
         if ssd_hits:
-            self.tiers.note_hits(ssd_hits)
+            self.tiers.note_hits(ssd_hits, ssd_bytes)
         if grant_lease:
             with self._stats_lock:
                 self._hits += hits
@@ -773,8 +799,8 @@ class MasterState:
             nshards = self._shards.num_shards
             for _ in range(MAX_EVICTION_ROUNDS):
                 need = bytes_to_free - freed
-                if need <= 0:
-                    break
+                if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
+                    break  # (the demotion backlog is full: victims would only be deferred)
                 now = self._clock.monotonic()
                 candidates, shards_scanned = self._collect_candidates(now, self._candidate_limit(need))
                 scanned += len(candidates)

@@ -29,12 +29,16 @@ _COUNTERS = {
     "ssd_evictions": "SSD replicas dropped by the SSD tier's watermark",
     "ssd_evicted_bytes": "Bytes of SSD replicas dropped by the SSD tier's watermark",
     "tier_tasks_expired": "Tier tasks abandoned after tier_task_timeout_s",
+    "puts_backpressured": "Put keys refused with DEMOTION_BACKLOG while demotions free DRAM (clients retry)",
+    "ssd_read_granted_bytes": "Bytes of leased reads sent to SSD-only replicas (cached-lease re-reads not seen)",
 }
 _GAUGES = {
     "ssd_capacity_bytes": "Bytes of the mounted SSD tiers",
     "ssd_used_bytes": "Bytes of the SSD tiers in use",
     "demote_pending_bytes": "DRAM bytes waiting for their demotion",
     "tier_tasks_pending": "Tier tasks queued or running",
+    "ssd_write_bps": "SSD tier write rate (demotions), bytes/s over the last seconds",
+    "ssd_read_bps": "SSD tier read rate (granted SSD-only reads), bytes/s over the last seconds",
 }
 
 

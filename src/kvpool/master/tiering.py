@@ -11,11 +11,14 @@ object index: ``(ssd segment, offset)``, with the usual PROCESSING/COMPLETE stat
   replica becomes COMPLETE and the DRAM replicas are freed (the usual free notifications follow). If the
   object was read or leased meanwhile it is hot again: it keeps both copies. An object that already has an
   SSD copy is "demoted" by freeing its DRAM replicas only (the SSD tier is inclusive).
-* **No stall under pressure** (Mooncake issue #2187: with offload-on-evict, DRAM stayed full and every put
+* **Backpressure, not drops** (Mooncake issue #2187: with offload-on-evict, DRAM stayed full and every put
   failed). Demotion is what the *background* eviction does; it frees DRAM only when the store has copied,
   so the DRAM waiting for demotion is counted as already freed by the watermark check and capped at
-  ``demote_max_pending`` of the pool. An eviction forced by a failed allocation (``urgent``), or one past
-  the cap, drops objects as before.
+  ``demote_max_pending`` of the pool; a victim past the cap stays in DRAM until the backlog drains (it is
+  not dropped). A put that finds DRAM full while demotions are in flight is refused with
+  ``DEMOTION_BACKLOG`` (the client retries until its deadline) instead of dropping objects the SSD could
+  hold. Only when no demotion can help (no SSD tier on that store, the SSD full, its disk failing) does an
+  eviction forced by a failed allocation (``urgent``) drop objects as before; drops are counted.
 * **Promotion.** Reads (``get_replicas`` with a lease) of an object that lives only on SSD are counted;
   after ``promote_after_hits`` reads a DRAM range is allocated on the same store and a PROMOTE task makes
   the store copy SSD -> DRAM; the DRAM replica becomes COMPLETE when the store reports it. The SSD copy
@@ -51,6 +54,7 @@ from kvpool.master.eviction import Candidate
 from kvpool.master.objects import COMPLETE, HARD_PIN, ObjectMeta, Replica, ReplicaStatus
 from kvpool.master.segments import Segment, SegmentStatus, SegmentTable
 from kvpool.master.shards import Shard, ShardMap, StripedLocks
+from kvpool.master.task_queue import TaskQueue
 
 __all__ = [
     "TIER_DRAM",
@@ -75,11 +79,25 @@ FreeRanges = Callable[[list[Range]], None]
 HoldRanges = Callable[[float, list[Range]], None]
 """(release time, ranges): keep ranges allocated until then (MasterState's quarantine)."""
 
+TAKE_MAX_BYTES = 8 << 20
+"""Most bytes of copies handed to a store in one exchange. Smaller than the demotion backlog's cap, so the
+master queues the next batch while the store writes this one (the store pulls again at once while tasks
+are pending): the disk never waits for a round trip."""
+
+RATE_WINDOW_SAMPLES = 6
+"""The SSD write/read rates in the stats are over the last this-many seconds (one sample a second)."""
+
 ABANDON_GRACE_S = 5.0
 """After a task is abandoned, how long a range the store could still have been writing stays allocated."""
 
 _COMPLETE = ReplicaStatus.COMPLETE
 _EVICTABLE_MASK = COMPLETE | HARD_PIN
+
+
+class _Demote(IntEnum):
+    STARTED = 0
+    DEFERRED = 1
+    IMPOSSIBLE = 2
 
 
 class TaskKind(IntEnum):
@@ -114,17 +132,25 @@ class TierTask:
 
 
 class TierChannel:
-    """One store's FIFO of tier tasks and the tasks it was handed and has not reported yet."""
+    """One store's tier tasks: a :class:`TaskQueue` (master/task_queue.py, the pipeline moves use too) under
+    the channel lock, which also covers the SSD allocator (see the module docstring)."""
 
     def __init__(self, store_id: str) -> None:
         self.store_id = store_id
         self.lock = threading.Lock()
-        self.queue: deque[TierTask] = deque()
-        self.inflight: dict[int, TierTask] = {}
+        self.tasks: TaskQueue[TierTask] = TaskQueue(_task_id)
         self._next_id = 1
         self.backoff_until = 0.0
         """No new demotions to this store before this time (after repeated failures)."""
         self.failures = 0
+
+    @property
+    def queue(self) -> deque[TierTask]:
+        return self.tasks.queue
+
+    @property
+    def inflight(self) -> dict[int, TierTask]:
+        return self.tasks.inflight
 
     def push_locked(
         self,
@@ -139,51 +165,44 @@ class TierChannel:
         """Queue a task (caller holds ``lock``)."""
         task = TierTask(self._next_id, kind, key, src[0], src[1], dst[0], dst[1], length, checksum, now)
         self._next_id += 1
-        self.queue.append(task)
+        self.tasks.push(task)
         return task
 
-    def take(self, limit: int) -> tuple[list[TierTask], int]:
-        """Up to ``limit`` tasks in queue order (DEMOTE/PROMOTE become in flight); and how many remain."""
-        out: list[TierTask] = []
+    def take(self, limit: int, max_bytes: int = TAKE_MAX_BYTES) -> tuple[list[TierTask], int]:
+        """Up to ``limit`` tasks in queue order, copying at most ``max_bytes`` (at least one task); DEMOTE and
+        PROMOTE become in flight (a DELETE needs no report). Also returns how many remain."""
         with self.lock:
-            queue = self.queue
-            while queue and len(out) < limit:
-                task = queue.popleft()
-                if task.kind != TaskKind.DELETE:
-                    self.inflight[task.id] = task
-                out.append(task)
-            return out, len(queue)
+            out = self.tasks.take(limit, cost=_copy_bytes, budget=max_bytes, tracked=_reported)
+            return out, self.tasks.queued()
 
     def finish(self, task_id: int) -> TierTask | None:
         with self.lock:
-            return self.inflight.pop(task_id, None)
+            return self.tasks.finish(task_id)
 
     def expired(self, horizon: float) -> list[TierTask]:
         """Remove and return the DEMOTE/PROMOTE tasks created before ``horizon`` (queued or in flight)."""
         with self.lock:
-            old = [t for t in self.inflight.values() if t.created < horizon]
-            for task in old:
-                del self.inflight[task.id]
-            if self.queue and any(t.kind != TaskKind.DELETE and t.created < horizon for t in self.queue):
-                keep: deque[TierTask] = deque()
-                for task in self.queue:
-                    if task.kind != TaskKind.DELETE and task.created < horizon:
-                        old.append(task)
-                    else:
-                        keep.append(task)
-                self.queue = keep
-            return old
+            return self.tasks.remove_where(lambda t: t.kind != TaskKind.DELETE and t.created < horizon)
 
     def drain_all(self) -> list[TierTask]:
         """Every DEMOTE/PROMOTE task still open (the store is gone)."""
         with self.lock:
-            open_tasks = list(self.inflight.values()) + [t for t in self.queue if t.kind != TaskKind.DELETE]
-            self.inflight.clear()
-            self.queue.clear()
-            return open_tasks
+            return [t for t in self.tasks.drain() if t.kind != TaskKind.DELETE]
 
     def pending(self) -> int:
-        return len(self.queue) + len(self.inflight)
+        return len(self.tasks)
+
+
+def _task_id(task: TierTask) -> int:
+    return task.id
+
+
+def _reported(task: TierTask) -> bool:
+    return task.kind != TaskKind.DELETE
+
+
+def _copy_bytes(task: TierTask) -> int:
+    return 0 if task.kind == TaskKind.DELETE else task.length
 
 
 class TierAllocator(OffsetAllocator):
@@ -221,6 +240,10 @@ class _Counters:
     ssd_evicted_bytes: int = 0
     tasks_expired: int = 0
     pending_bytes: int = 0
+    puts_backpressured: int = 0
+    """Put keys refused with DEMOTION_BACKLOG (the client retries them)."""
+    ssd_read_granted_bytes: int = 0
+    """Bytes of leased reads the master sent to SSD-only replicas (re-reads under a cached lease skip it)."""
 
 
 class TierManager:
@@ -248,6 +271,11 @@ class TierManager:
         self._hits: OrderedDict[str, int] = OrderedDict()
         self._c = _Counters()
         self._next_expiry_check = 0.0
+        self._io_samples: deque[tuple[float, int, int]] = deque(maxlen=RATE_WINDOW_SAMPLES)
+        """(time, demoted bytes, SSD read bytes granted), one a second: the SSD write and read rates."""
+        self.progress = threading.Event()
+        """Set when demotions finish or a put waits for them: the eviction thread runs at once (it queues
+        the next demotions while DRAM is above its watermark) instead of at its next interval."""
         self.ssd_ids: frozenset[int] = frozenset()
         """Ids of the mounted SSD-tier segments (empty: no tier anywhere, every hook is a no-op)."""
 
@@ -315,8 +343,10 @@ class TierManager:
                     meta.set_replicas(ssd)
                     ranges = self._resolve(dram)
                     gone = False
-                elif not urgent and self._start_demote(key, meta, dram, now):
-                    return freed, False
+                elif not urgent and (started := self._start_demote(key, meta, dram, now)) != _Demote.IMPOSSIBLE:
+                    # DEFERRED: the backlog is full; the object stays in DRAM until demotions catch up
+                    # (the put path applies backpressure meanwhile) instead of being dropped.
+                    return (freed if started == _Demote.STARTED else 0), False
                 else:
                     del shard.objects[key]
                     shard.processing.pop(key, None)
@@ -330,23 +360,26 @@ class TierManager:
                     self._c.dram_dropped_urgent += 1
         return freed, gone
 
-    def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> bool:
-        """Queue a DEMOTE of ``meta`` (stripe and shard lock held); False when it cannot be demoted now."""
+    def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> _Demote:
+        """Queue a DEMOTE of ``meta`` (stripe and shard lock held): STARTED; DEFERRED when the backlog is
+        full or the store's demotions are paused; IMPOSSIBLE when its store has no SSD tier with room."""
         pending = meta.size * len(dram)
-        if self._c.pending_bytes + pending > self._max_pending():
-            return False
         src = dram[0]
         dram_seg = self._table.by_id.get(src.segment_id)
         if dram_seg is None:
-            return False
+            return _Demote.IMPOSSIBLE
         ssd_seg = self._tier_segment(dram_seg.store_id, TIER_SSD)
         channel = self._channels.get(dram_seg.store_id)
-        if ssd_seg is None or channel is None or channel.backoff_until > now:
-            return False
+        if ssd_seg is None or channel is None:
+            return _Demote.IMPOSSIBLE
+        if channel.backoff_until > now:
+            return _Demote.IMPOSSIBLE  # its disk keeps failing: behave as a pool without an SSD tier
+        if self._c.pending_bytes + pending > self._max_pending():
+            return _Demote.DEFERRED
         with channel.lock:
             offset = ssd_seg.allocator.allocate(meta.size)
             if offset is None:
-                return False  # SSD full: the SSD eviction (maintain) makes room for later demotions
+                return _Demote.IMPOSSIBLE  # SSD full: the SSD eviction (maintain) makes room for later ones
             task = channel.push_locked(
                 TaskKind.DEMOTE,
                 key,
@@ -362,10 +395,24 @@ class TierManager:
         meta.add_replica(ssd_seg.id, offset, False)
         with self._lock:
             self._c.pending_bytes += pending
-        return True
+        return _Demote.STARTED
 
     def _max_pending(self) -> float:
         return self._cfg.demote_max_pending * sum(s.size for s in self._table.allocatable)
+
+    def saturated(self) -> bool:
+        """The demotion backlog is at its cap: a non-urgent eviction can start no more demotions now."""
+        return self._c.pending_bytes >= self._max_pending()
+
+    def backpressure(self, keys: int) -> bool:
+        """A put found DRAM full: True (count ``keys`` refused with DEMOTION_BACKLOG) when demotions in
+        flight will free DRAM soon, False when nothing will (the caller drops by an urgent eviction)."""
+        if self._c.pending_bytes <= 0:
+            return False
+        with self._lock:
+            self._c.puts_backpressured += keys
+        self.progress.set()
+        return True
 
     def _tier_segment(self, store_id: str, tier: int) -> Segment | None:
         """The store's segment of ``tier`` that is mounted and OK (the first one)."""
@@ -390,9 +437,12 @@ class TierManager:
 
     # ------------------------------------------------------------------ promotion
 
-    def note_hits(self, keys: Sequence[str]) -> int:
-        """Reads of SSD-only objects; promotes those read ``promote_after_hits`` times. Returns promotions
-        started."""
+    def note_hits(self, keys: Sequence[str], nbytes: int = 0) -> int:
+        """Reads of SSD-only objects (``nbytes`` in all); promotes those read ``promote_after_hits`` times.
+        Returns promotions started."""
+        if nbytes:
+            with self._lock:
+                self._c.ssd_read_granted_bytes += nbytes
         threshold = self._cfg.promote_after_hits
         if threshold <= 0:
             return 0
@@ -465,6 +515,8 @@ class TierManager:
             task = channel.finish(task_id)
             if task is not None:
                 self._finish(channel, task, _code(code))
+        if done:
+            self.progress.set()
         tasks, pending = channel.take(max(0, max_tasks))
         return ErrorCode.OK, tasks, pending
 
@@ -566,6 +618,8 @@ class TierManager:
         if now >= self._next_expiry_check:  # once a second is plenty for a 30 s timeout
             self._next_expiry_check = now + 1.0
             self._expire_tasks(now)
+            with self._lock:
+                self._io_samples.append((now, self._c.demoted_bytes, self._c.ssd_read_granted_bytes))
         dropped = 0
         cfg = self._cfg
         for seg in [s for s in self._table.segments() if s.tier]:
@@ -667,10 +721,21 @@ class TierManager:
                 "ssd_evicted_bytes": c.ssd_evicted_bytes,
                 "tier_tasks_expired": c.tasks_expired,
                 "demote_pending_bytes": c.pending_bytes,
+                "puts_backpressured": c.puts_backpressured,
+                "ssd_read_granted_bytes": c.ssd_read_granted_bytes,
+                **_rates(self._io_samples),
             }
             channels = list(self._channels.values())
         out["tier_tasks_pending"] = sum(ch.pending() for ch in channels)
         return out
+
+
+def _rates(samples: deque[tuple[float, int, int]]) -> dict[str, int]:
+    """SSD write (demotions) and read (granted) bytes per second over the sampled window."""
+    if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+        return {"ssd_write_bps": 0, "ssd_read_bps": 0}
+    (t0, w0, r0), (t1, w1, r1) = samples[0], samples[-1]
+    return {"ssd_write_bps": int((w1 - w0) / (t1 - t0)), "ssd_read_bps": int((r1 - r0) / (t1 - t0))}
 
 
 def _still_victim(meta: ObjectMeta, cand: Candidate, now: float) -> bool:

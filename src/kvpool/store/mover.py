@@ -1,7 +1,8 @@
 """The store's half of drain and rebalance: the mover copies objects from other stores into this one.
 
 The master plans each move and queues it for the TARGET store (master/moves.py). The mover thread pulls its
-tasks with ``SyncMoves`` (reporting the results of the previous batch in the same call), and for each task:
+tasks with ``SyncMoves`` (reporting the results of the previous batch in the same call; the pull loop is the
+store's one task pipeline, store/task_loop.py), and for each task:
 
 1. checks the WRITE grant on its own segment (the master's MAC over this exact range, not expired), so that
    the inventory only ever describes ranges the master allocated for that key (docs/decisions/0002);
@@ -24,20 +25,19 @@ that range to another object already.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from kvpool.common.checksum import checksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
-from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.errors import ErrorCode, as_code
 from kvpool.common.grants import Grant, GrantOp, verify
 from kvpool.common.log import get_logger
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto.frames import MAX_KEY_BYTES
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
+from kvpool.store.task_loop import Link, Pull, TaskLoop
 from kvpool.transfer.base import TransferRequest, Transport, replica_of
 
 __all__ = ["Mover", "MoverStats"]
@@ -48,12 +48,6 @@ GRANT_MARGIN_MS = 1000
 """A copy must end this long before its grants expire (the master frees abandoned ranges after a grace)."""
 
 
-class Link(Protocol):
-    """What the mover needs from the store's master link (kvpool.store.service.MasterLink)."""
-
-    def call(self, method: str, request: Any, timeout: float) -> Any: ...
-
-
 @dataclass
 class MoverStats:
     moved: int = 0
@@ -62,8 +56,8 @@ class MoverStats:
     polls: int = 0
 
 
-class Mover(threading.Thread):
-    """Runs this store's move tasks (see the module docstring)."""
+class Mover(TaskLoop[pb.MoveTask, pb.MoveResult]):
+    """Runs this store's move tasks (see the module docstring) on the store's task loop (store/task_loop.py)."""
 
     def __init__(
         self,
@@ -78,7 +72,7 @@ class Mover(threading.Thread):
         busy_s: float = 0.01,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        super().__init__(name="kvpool-mover", daemon=True)
+        super().__init__("kvpool-mover", busy_s=busy_s, idle_s=idle_s)
         self._link = link
         self._store_id = store_id
         self._segment = segment
@@ -91,20 +85,13 @@ class Mover(threading.Thread):
             transport = TcpTransport()
         self._transport = transport
         self._max = max_in_flight
-        self._idle_s = idle_s
-        self._busy_s = busy_s
         self._clock = clock
-        self._stop_event = threading.Event()
-        self._wake = threading.Event()
+        self._pull_epoch = 0
         self._fence_lock = threading.Lock()
         self._epoch = 0
         self.stats = MoverStats()
 
     # ------------------------------------------------------------------ control
-
-    def wake(self) -> None:
-        """Tasks are waiting (the heartbeat said so): poll now."""
-        self._wake.set()
 
     def fence(self) -> None:
         """A (re)mount is about to report the inventory: copies finishing after this are discarded."""
@@ -112,53 +99,26 @@ class Mover(threading.Thread):
             self._epoch += 1
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop_event.set()
-        self._wake.set()
-        if self.is_alive():
-            self.join(timeout)
+        self.stop_loop(timeout)
         if self._owns_transport:
             self._transport.close()
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the task loop's two steps
 
-    def run(self) -> None:
-        results: list[pb.MoveResult] = []
-        failures = 0
-        last_work = 0.0
-        while not self._stop_event.is_set():
-            epoch = self._epoch
-            try:
-                response = self._link.call(
-                    "SyncMoves",
-                    pb.SyncMovesRequest(store_id=self._store_id, results=results, max_tasks=self._max),
-                    timeout=5.0,
-                )
-            except KvPoolError as exc:
-                failures += 1
-                if failures >= 3:
-                    results = []  # the master abandons those moves after their timeout
-                log.debug("sync moves: %s", exc)
-                self._sleep(min(self._idle_s, 0.05 * 2**failures))
-                continue
-            failures = 0
-            results = []
-            self.stats.polls += 1
-            if as_code(response.status.code) != ErrorCode.OK:
-                self._sleep(0.2)  # NOT_LEADER, warming up...: results mean nothing to that master
-                continue
-            if response.tasks:
-                results = self.execute(response.tasks, epoch)
-                if epoch != self._epoch:
-                    results = []  # planned by a master we have since re-mounted with
-                last_work = time.monotonic()
-                continue
-            if response.pending:
-                continue
-            self._sleep(self._busy_s if time.monotonic() - last_work < 2.0 else self._idle_s)
+    def exchange(self, results: list[pb.MoveResult]) -> Pull[pb.MoveTask]:
+        self._pull_epoch = self._epoch
+        response = self._link.call(
+            "SyncMoves",
+            pb.SyncMovesRequest(store_id=self._store_id, results=results, max_tasks=self._max),
+            timeout=5.0,
+        )
+        self.stats.polls += 1
+        return Pull(as_code(response.status.code), response.tasks, response.pending)
 
-    def _sleep(self, seconds: float) -> None:
-        self._wake.wait(seconds)
-        self._wake.clear()
+    def run_batch(self, tasks: Sequence[pb.MoveTask]) -> list[pb.MoveResult]:
+        epoch = self._pull_epoch
+        results = self.execute(tasks, epoch)
+        return results if epoch == self._epoch else []  # planned by a master we have since re-mounted with
 
     # ------------------------------------------------------------------ one batch
 

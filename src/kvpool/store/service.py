@@ -412,7 +412,8 @@ class _StoreCollector(Collector):
         if store.tier is not None:
             for name, value in store.tier.metrics().items():
                 doc = f"SSD tier: {name.replace('_', ' ')}"
-                yield GaugeMetricFamily(f"kvpool_store_{name}", doc, value=value)
+                family = CounterMetricFamily if name in StoreTier.COUNTERS else GaugeMetricFamily
+                yield family(f"kvpool_store_{name}", doc, value=value)
         if store.dataplane is None:
             return
         s = store.dataplane.statistics()

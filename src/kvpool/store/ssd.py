@@ -7,6 +7,10 @@ accounts for the tier's capacity). The store keeps the values at exactly those o
 object: creating and deleting small files costs far more file-system metadata work than a ``pwrite``, and it
 would bound the demotion rate far below the put rate (figures: docs/ssd-tier.md, "On the store").
 
+Demotions come in batches (:meth:`SsdTier.write_many`): verified and written by several threads, adjacent
+values in one ``pwritev``, page-aligned ones with ``O_DIRECT`` from the shared-memory segment to the disk,
+and one journal append per batch (docs/ssd-tier.md, docs/decisions/0035-batched-direct-demotion-and-backpressure.md).
+
 What is where is kept in ``<ssd_dir>/journal.kvs``, append-only, so that a restarted store rebuilds its SSD
 inventory (Mooncake loses it on a restart: issue #2254)::
 
@@ -36,13 +40,17 @@ checksum.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import fcntl
 import os
 import struct
 import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 import xxhash
 
@@ -50,9 +58,21 @@ from kvpool.common.checksum import checksum
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.log import get_logger
 
-__all__ = ["FILE_MAGIC", "RECORD", "SsdEntry", "SsdScan", "SsdTier", "encode_record", "parse_records"]
+__all__ = [
+    "FILE_MAGIC",
+    "RECORD",
+    "DemoteItem",
+    "SsdEntry",
+    "SsdScan",
+    "SsdTier",
+    "encode_record",
+    "parse_records",
+]
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DATA_FILE = "data.kvs"
 JOURNAL_FILE = "journal.kvs"
@@ -65,6 +85,18 @@ _MAX_KEY = 0xFFFF
 _VERIFY_CHUNK = 4 << 20
 COMPACT_MIN_BYTES = 16 << 20
 """The journal is rewritten at run time once it is this big and 4x the size of its live records."""
+DIRECT_ALIGN = 4096
+"""O_DIRECT needs file offsets, lengths and buffer addresses on this boundary (a page covers every
+logical block size in use)."""
+RUN_MAX_BYTES = 8 << 20
+"""A batch's adjacent objects are written with one pwritev of at most this many bytes."""
+RUN_MAX_PARTS = 512
+"""... and at most this many buffers (below IOV_MAX)."""
+PARALLEL_MIN_BYTES = 64 << 10
+"""Values (and runs) at least this big are hashed and written on the I/O threads; smaller ones inline."""
+WRITERS = 4
+"""Threads that write a batch's runs (and verify its checksums) in parallel; the disk takes several
+requests at once, and each pwritev releases the GIL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +152,25 @@ def parse_records(raw: bytes) -> tuple[list[tuple[int, SsdEntry]], int | None, s
     return out, None, ""
 
 
+@dataclass(frozen=True, slots=True)
+class DemoteItem:
+    """One object of a batched write: its SSD offset, key, value (a view of the DRAM segment) and checksum."""
+
+    offset: int
+    key: bytes
+    value: memoryview
+    checksum: int
+
+
 class SsdTier:
-    """The SSD directory of one store: write, read, delete and re-adopt objects. Thread-safe."""
+    """The SSD directory of one store: write, read, delete and re-adopt objects. Thread-safe.
+
+    Writes of a batch (:meth:`write_many`) are verified and written by ``WRITERS`` threads, adjacent objects
+    coalesced into one ``pwritev``; where offsets, lengths and buffers are page-aligned (the master's
+    allocators align to pages, and the DRAM segment is page-mapped) they go through a second descriptor
+    opened with ``O_DIRECT``: straight from the shared-memory segment to the disk, without filling the page
+    cache with values that are, by definition, cold. A file system without O_DIRECT (tmpfs) gets buffered
+    writes."""
 
     def __init__(self, directory: str | Path, capacity: int) -> None:
         if capacity <= 0:
@@ -135,10 +184,30 @@ class SsdTier:
         self._starts: list[int] = []
         self._used = 0
         self._data_fd = os.open(self.directory / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        self._direct_fd = _open_direct(self.directory / DATA_FILE)
+        self._pool: ThreadPoolExecutor | None = None
+        self._io_lock = threading.Lock()
+        self.written_bytes = 0
+        """Value bytes written to the data file since the start (a counter for the SSD write rate)."""
+        self.read_bytes = 0
+        """Value bytes read from the data file since the start (promotions and data-plane reads)."""
         self._journal_fd = -1
         self._journal_bytes = 0
         self._record_bytes = 0
         """Bytes the live entries' PUT records take: what a compacted journal would be."""
+
+    @property
+    def direct(self) -> bool:
+        """Whether aligned writes and reads bypass the page cache (O_DIRECT)."""
+        return self._direct_fd >= 0
+
+    def note_read(self, nbytes: int) -> None:
+        with self._io_lock:
+            self.read_bytes += nbytes
+
+    def _note_written(self, nbytes: int) -> None:
+        with self._io_lock:
+            self.written_bytes += nbytes
 
     @property
     def data_fd(self) -> int:
@@ -206,25 +275,88 @@ class SsdTier:
 
     def write(self, offset: int, key: bytes, value: memoryview, value_checksum: int) -> ErrorCode:
         """Store ``value`` as the object at ``offset``; its checksum is verified first."""
-        length = len(value)
-        if offset < 0 or length <= 0 or offset + length > self.capacity or len(key) > _MAX_KEY:
-            return ErrorCode.OUT_OF_BOUNDS
-        if checksum(value) != value_checksum:
-            return ErrorCode.CHECKSUM_MISMATCH
-        entry = SsdEntry(bytes(key), offset, length, value_checksum)
+        return self.write_many([DemoteItem(offset, key, value, value_checksum)])[0]
+
+    def write_many(self, items: Sequence[DemoteItem]) -> list[ErrorCode]:
+        """Store a batch of objects (one code per item, in order): checksums verified and values written in
+        parallel, adjacent values in one ``pwritev``, then one journal append for the whole batch."""
+        codes: list[ErrorCode] = [self._refuse(item) for item in items]
+        candidates = [i for i, code in enumerate(codes) if code == ErrorCode.OK]
+        sums = self._map(lambda i: checksum(items[i].value), candidates, lambda i: len(items[i].value))
+        for i, value_checksum in zip(candidates, sums, strict=True):
+            if value_checksum != items[i].checksum:
+                codes[i] = ErrorCode.CHECKSUM_MISMATCH
+        valid = sorted((i for i in candidates if codes[i] == ErrorCode.OK), key=lambda i: items[i].offset)
+        runs = _runs([items[i] for i in valid], valid)
         with self._lock:
-            # Forget what the range held before its bytes change (a reader then gets a miss, not a mix).
-            for old in self._overlapping(offset, length):
-                self._remove(old)
+            # Forget what the ranges held before their bytes change (a reader then gets a miss, not a mix).
+            for i in valid:
+                for old in self._overlapping(items[i].offset, len(items[i].value)):
+                    self._remove(old)
+            for run, failure in zip(runs, self._map(self._write_run, runs, lambda r: r.length), strict=True):
+                if failure is not None:
+                    for i in run.indexes:
+                        codes[i] = failure
+            done = [i for i in valid if codes[i] == ErrorCode.OK]
+            records = b"".join(
+                encode_record(PUT, items[i].key, items[i].offset, len(items[i].value), items[i].checksum) for i in done
+            )
             try:
-                _pwrite_all(self._data_fd, value, offset)
-                self._append(encode_record(PUT, entry.key, offset, length, value_checksum))
+                if records:
+                    self._append(records)
             except OSError as exc:
-                log.warning("SSD tier: writing %d bytes at %d failed: %s", length, offset, exc)
-                return ErrorCode.NO_SPACE if exc.errno == errno.ENOSPC else ErrorCode.INTERNAL
-            self._insert(entry)
+                log.warning("SSD tier: journaling %d writes failed: %s", len(done), exc)
+                for i in done:
+                    codes[i] = ErrorCode.NO_SPACE if exc.errno == errno.ENOSPC else ErrorCode.INTERNAL
+                done = []
+            for i in done:
+                item = items[i]
+                self._insert(SsdEntry(bytes(item.key), item.offset, len(item.value), item.checksum))
             self._maybe_compact()
+        self._note_written(sum(len(items[i].value) for i in done))
+        return codes
+
+    def _refuse(self, item: DemoteItem) -> ErrorCode:
+        length = len(item.value)
+        if item.offset < 0 or length <= 0 or item.offset + length > self.capacity or len(item.key) > _MAX_KEY:
+            return ErrorCode.OUT_OF_BOUNDS
         return ErrorCode.OK
+
+    def _map(self, work: Callable[[T], R], items: Sequence[T], size: Callable[[T], int]) -> list[R]:
+        """``work`` over ``items`` in order: the large ones on the I/O threads, the small ones inline (a thread
+        hand-off costs more than hashing or writing a few KiB, and xxhash keeps the GIL below 64 KiB)."""
+        large = [i for i, item in enumerate(items) if size(item) >= PARALLEL_MIN_BYTES]
+        if len(large) <= 1:
+            return [work(item) for item in items]
+        out: list[R | None] = [None] * len(items)
+        futures = {i: self._writers().submit(work, items[i]) for i in large}
+        for i, item in enumerate(items):
+            if i not in futures:
+                out[i] = work(item)
+        for i, future in futures.items():
+            out[i] = future.result()
+        return cast(list[R], out)
+
+    def in_parallel(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``work`` over ``items`` on the tier's I/O threads (disk reads and writes release the GIL), in order."""
+        if len(items) <= 1:
+            return [work(item) for item in items]
+        return list(self._writers().map(work, items))
+
+    def _writers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="kvpool-ssd-writer")
+        return self._pool
+
+    def _write_run(self, run: _Run) -> ErrorCode | None:
+        """Write one run of adjacent values; None when it all reached the file, else the run's code."""
+        fd = self._direct_fd if run.aligned and self._direct_fd >= 0 else self._data_fd
+        try:
+            _pwritev_all(fd, run.parts, run.offset, self._data_fd)
+        except OSError as exc:
+            log.warning("SSD tier: writing %d bytes at %d failed: %s", run.length, run.offset, exc)
+            return ErrorCode.NO_SPACE if exc.errno == errno.ENOSPC else ErrorCode.INTERNAL
+        return None
 
     def delete(self, offset: int) -> bool:
         """The master freed this range: forget its object."""
@@ -254,15 +386,23 @@ class SsdTier:
         found = self.locate(offset, key, len(dest))
         if isinstance(found, ErrorCode):
             return found
+        fd = self._direct_fd if self._direct_fd >= 0 and _aligned(found, dest) else self._data_fd
         try:
             done = 0
             while done < len(dest):
-                n = os.preadv(self._data_fd, [dest[done:]], found + done)
+                try:
+                    n = os.preadv(fd, [dest[done:]], found + done)
+                except OSError as exc:
+                    if fd == self._data_fd or exc.errno != errno.EINVAL:
+                        raise
+                    fd = self._data_fd  # a file system that took O_DIRECT at open but refuses this read
+                    continue
                 if n <= 0:
                     return ErrorCode.OBJECT_NOT_FOUND
                 done += n
         except OSError:
             return ErrorCode.INTERNAL
+        self.note_read(done)
         return ErrorCode.OK if checksum(dest) == value_checksum else ErrorCode.CHECKSUM_MISMATCH
 
     # ------------------------------------------------------------------ views
@@ -283,11 +423,14 @@ class SsdTier:
         return len(self._entries)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         with self._lock:
-            for fd in (self._journal_fd, self._data_fd, self._lock_fd):
+            for fd in (self._journal_fd, self._direct_fd, self._data_fd, self._lock_fd):
                 if fd >= 0:
                     os.close(fd)
-            self._journal_fd = self._data_fd = self._lock_fd = -1
+            self._journal_fd = self._direct_fd = self._data_fd = self._lock_fd = -1
 
     # ------------------------------------------------------------------ journal (under _lock)
 
@@ -345,6 +488,82 @@ class SsdTier:
         del self._starts[bisect.bisect_left(self._starts, entry.offset)]
         self._used -= entry.length
         self._record_bytes -= RECORD.size + len(entry.key) + _DIGEST.size
+
+
+@dataclass(slots=True)
+class _Run:
+    """Adjacent values of a batch, written with one pwritev."""
+
+    offset: int
+    parts: list[memoryview]
+    indexes: list[int]
+    length: int
+    aligned: bool
+
+
+def _runs(items: Sequence[DemoteItem], indexes: Sequence[int]) -> list[_Run]:
+    """Group ``items`` (sorted by offset) into runs of adjacent values of one alignment class."""
+    runs: list[_Run] = []
+    for item, index in zip(items, indexes, strict=True):
+        aligned = _aligned(item.offset, item.value)
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.offset + last.length == item.offset
+            and last.aligned == aligned
+            and last.length + len(item.value) <= RUN_MAX_BYTES
+            and len(last.parts) < RUN_MAX_PARTS
+        ):
+            last.parts.append(item.value)
+            last.indexes.append(index)
+            last.length += len(item.value)
+        else:
+            runs.append(_Run(item.offset, [item.value], [index], len(item.value), aligned))
+    return runs
+
+
+def _aligned(offset: int, view: memoryview) -> bool:
+    """Can this file offset and buffer go through O_DIRECT?"""
+    if offset % DIRECT_ALIGN or len(view) % DIRECT_ALIGN or view.readonly:
+        return False
+    anchor = ctypes.c_char.from_buffer(view)
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address % DIRECT_ALIGN == 0
+
+
+def _open_direct(path: Path) -> int:
+    """A second descriptor of the data file with O_DIRECT, or -1 where the file system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(path, os.O_RDWR | flag)
+    except OSError:
+        return -1
+
+
+def _pwritev_all(fd: int, parts: list[memoryview], offset: int, fallback_fd: int) -> None:
+    """Write every byte of ``parts`` at ``offset``; what a short or refused direct write leaves goes through
+    ``fallback_fd`` (buffered)."""
+    total = sum(len(p) for p in parts)
+    try:
+        written = os.pwritev(fd, parts, offset)
+    except OSError as exc:
+        if fd == fallback_fd or exc.errno != errno.EINVAL:
+            raise
+        written = 0
+    if written >= total:
+        return
+    skip = written
+    for part in parts:
+        if skip >= len(part):
+            skip -= len(part)
+            offset += len(part)
+            continue
+        _pwrite_all(fallback_fd, part[skip:], offset + skip)
+        offset += len(part)
+        skip = 0
 
 
 def _lock_directory(directory: Path) -> int:

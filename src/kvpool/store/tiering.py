@@ -1,9 +1,11 @@
 """The store's half of the SSD tier: the tier worker (demote / promote / delete) and SSD reads.
 
 The worker is one thread that owns every SSD write, so the data plane never waits for a disk write: it
-polls the master's ``TierTasks`` RPC, runs the tasks in the order they come (a DELETE of a range always
-precedes a later DEMOTE into it: see master/tiering.py), and reports the results with its next poll. It
-polls again at once while it has work or results to report, and every ``idle_s`` otherwise.
+polls the master's ``TierTasks`` RPC on the store's task loop (store/task_loop.py), runs the tasks in the
+order they come (a DELETE of a range always precedes a later DEMOTE into it: see master/tiering.py), writing
+each stretch of consecutive DEMOTEs as one batch (``SsdTier.write_many``: parallel writers, adjacent values in
+one ``pwritev``, O_DIRECT from the segment), and reports the results with its next poll. It polls again at
+once while it has work or results to report, and every ``idle_s`` otherwise.
 
 SSD reads are served by the data-plane thread of the connection: the grant is checked as for DRAM, the
 SSD index entry at the granted offset is checked against the grant's key and length, and the bytes go from
@@ -12,21 +14,23 @@ the data file to the socket with ``sendfile`` (no copy through Python).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.failpoints import STORE_TIER_BEFORE_WRITE, failpoint
 from kvpool.common.grants import verify
 from kvpool.common.log import get_logger
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto.frames import HEADER, MAGIC, Op, TransferDesc
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
-from kvpool.store.ssd import SsdTier
+from kvpool.store.ssd import DemoteItem, SsdTier
+from kvpool.store.task_loop import Link, Pull, TaskLoop
 from kvpool.transfer.tcp import sendfile_all
 
 __all__ = ["StoreTier", "TierStats", "TierWorker", "serve_tier_read"]
@@ -36,12 +40,6 @@ log = get_logger(__name__)
 _KIND_DEMOTE = 1
 _KIND_PROMOTE = 2
 _KIND_DELETE = 3
-
-
-class Link(Protocol):
-    """What the worker needs from the store's master link (kvpool.store.service.MasterLink)."""
-
-    def call(self, method: str, request: Any, timeout: float) -> Any: ...
 
 
 def _locate_tier_part(tier: SsdTier, secret: bytes, desc: TransferDesc, now_ms: int) -> int | ErrorCode:
@@ -65,11 +63,16 @@ def serve_tier_read(
     start = _locate_tier_part(tier, secret, desc, now_ms)
     if isinstance(start, ErrorCode):
         return start, 0
+    # Ask for the whole value at once: one large disk read ahead of the socket, not the page cache's
+    # readahead window by window behind it.
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(tier.data_fd, start, desc.part_length, os.POSIX_FADV_WILLNEED)
     # MSG_MORE: the header and the first bytes of the value leave in one segment.
     sock.sendall(HEADER.pack(MAGIC, Op.READ, 0, 0, req_id, desc.part_length), socket.MSG_MORE)
     # The header promised the bytes: a file that refuses sendfile or ends early closes the connection.
     if sendfile_all(sock, tier.data_fd, start, desc.part_length) != desc.part_length:
         raise OSError(f"the SSD tier's file refused sendfile for {desc.grant.key!r}")
+    tier.note_read(desc.part_length)
     return ErrorCode.OK, desc.part_length
 
 
@@ -84,6 +87,7 @@ def read_tier_part(tier: SsdTier, secret: bytes, desc: TransferDesc, now_ms: int
         return ErrorCode.TRANSFER_FAILED, None
     if len(data) != desc.part_length:  # the file is shorter than its index says
         return ErrorCode.TRANSFER_FAILED, None
+    tier.note_read(len(data))
     return ErrorCode.OK, data
 
 
@@ -97,8 +101,9 @@ class TierStats:
     polls: int = 0
 
 
-class TierWorker(threading.Thread):
-    """Runs the master's tier tasks for one store (see the module docstring)."""
+class TierWorker(TaskLoop[pb.TierTask, pb.TierTaskResult]):
+    """Runs the master's tier tasks for one store (see the module docstring) on the store's task loop
+    (store/task_loop.py)."""
 
     def __init__(
         self,
@@ -111,66 +116,70 @@ class TierWorker(threading.Thread):
         idle_s: float = 0.02,
         batch: int = 256,
     ) -> None:
-        super().__init__(name="kvpool-tier-worker", daemon=True)
+        super().__init__("kvpool-tier-worker", busy_s=idle_s, idle_s=idle_s)
         self._link = link
         self._store_id = store_id
         self._ssd = ssd
         self._ssd_id = ssd_segment_id
         self._segment = segment
         self._inventory = inventory
-        self._idle_s = idle_s
         self._batch = batch
-        self._stop_event = threading.Event()
         self.stats = TierStats()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout)
+        self.stop_loop(timeout)
 
-    def run(self) -> None:
-        done: list[pb.TierTaskResult] = []
-        failures = 0
-        while not self._stop_event.is_set():
-            try:
-                response = self._link.call(
-                    "TierTasks",
-                    pb.TierTasksRequest(store_id=self._store_id, done=done, max_tasks=self._batch),
-                    timeout=5.0,
-                )
-            except KvPoolError as exc:
-                failures += 1
-                if failures >= 3:
-                    done = []  # the master abandons them after its task timeout
-                log.debug("tier tasks: %s", exc)
-                self._stop_event.wait(min(1.0, self._idle_s * 2**failures))
-                continue
-            failures = 0
-            self.stats.polls += 1
-            done = []
-            if as_code(response.status.code) != ErrorCode.OK:
-                # NEED_REMOUNT (the heartbeat re-mounts), NOT_LEADER...: results mean nothing to that master.
-                self._stop_event.wait(0.2)
-                continue
-            for task in response.tasks:
-                code = self.execute(task)
-                if task.kind != _KIND_DELETE:
-                    done.append(pb.TierTaskResult(id=task.id, code=int(code)))
-            if not response.tasks and not done:
-                self._stop_event.wait(self._idle_s)
+    # ------------------------------------------------------------------ the task loop's two steps
+
+    def exchange(self, results: list[pb.TierTaskResult]) -> Pull[pb.TierTask]:
+        response = self._link.call(
+            "TierTasks",
+            pb.TierTasksRequest(store_id=self._store_id, done=results, max_tasks=self._batch),
+            timeout=5.0,
+        )
+        self.stats.polls += 1
+        return Pull(as_code(response.status.code), response.tasks, response.pending)
+
+    def run_batch(self, tasks: Sequence[pb.TierTask]) -> list[pb.TierTaskResult]:
+        """Run a batch in its order; consecutive DEMOTEs are written together (SsdTier.write_many), consecutive
+        PROMOTEs read in parallel. A DELETE is never reordered with the tasks around it: it may free the very
+        range a later DEMOTE writes."""
+        results: list[pb.TierTaskResult] = []
+        i = 0
+        while i < len(tasks):
+            kind = tasks[i].kind
+            end = i + 1
+            while end < len(tasks) and tasks[end].kind == kind and kind != _KIND_DELETE:
+                end += 1
+            run = tasks[i:end]
+            if kind == _KIND_DEMOTE:
+                results += self._results(run, self.demote_many(run))
+            elif kind == _KIND_PROMOTE:
+                results += self._results(run, self.promote_many(run))
+            else:
+                code = self.execute(run[0])
+                if kind != _KIND_DELETE:
+                    results.append(pb.TierTaskResult(id=run[0].id, code=int(code)))
+            i = end
+        return results
+
+    @staticmethod
+    def _results(tasks: Sequence[pb.TierTask], codes: Sequence[ErrorCode]) -> list[pb.TierTaskResult]:
+        return [pb.TierTaskResult(id=t.id, code=int(c)) for t, c in zip(tasks, codes, strict=True)]
+
+    # ------------------------------------------------------------------ tasks
 
     def execute(self, task: pb.TierTask) -> ErrorCode:
         """Run one task; never raises."""
-        if task.kind != _KIND_DELETE and task.deadline_ms and time.time() * 1000 > task.deadline_ms:
-            # The master may already have given up on it and reused the ranges: never start it late.
+        if task.kind == _KIND_DEMOTE:
+            return self.demote_many([task])[0]
+        if task.kind == _KIND_PROMOTE:
+            return self.promote_many([task])[0]
+        if self._late(task):
             self.stats.failed += 1
             return ErrorCode.TIMEOUT
         try:
-            if task.kind == _KIND_DEMOTE:
-                code = self._demote(task)
-            elif task.kind == _KIND_PROMOTE:
-                code = self._promote(task)
-            elif task.kind == _KIND_DELETE:
+            if task.kind == _KIND_DELETE:
                 code = ErrorCode.OK
                 if task.dst_segment == self._ssd_id and self._ssd.delete(task.dst_offset):
                     self.stats.deleted += 1
@@ -183,24 +192,71 @@ class TierWorker(threading.Thread):
             self.stats.failed += 1
         return code
 
+    @staticmethod
+    def _late(task: pb.TierTask) -> bool:
+        # The master may already have given up on it and reused the ranges: never start it late.
+        return task.kind != _KIND_DELETE and bool(task.deadline_ms) and time.time() * 1000 > task.deadline_ms
+
+    def demote_many(self, tasks: Sequence[pb.TierTask]) -> list[ErrorCode]:
+        """Copy a batch of DEMOTEs from the DRAM segment to the SSD file; one code per task. Never raises."""
+        codes: list[ErrorCode] = [ErrorCode.OK] * len(tasks)
+        items: list[DemoteItem] = []
+        started: list[int] = []
+        try:
+            for i, task in enumerate(tasks):
+                src = self._dram(task.src_segment, task.src_offset, task.length)
+                if self._late(task):
+                    codes[i] = ErrorCode.TIMEOUT
+                elif src is None or task.dst_segment != self._ssd_id:
+                    codes[i] = ErrorCode.SEGMENT_NOT_FOUND
+                else:
+                    items.append(DemoteItem(task.dst_offset, task.key.encode(), src, task.checksum))
+                    started.append(i)
+                    continue
+                if src is not None:
+                    src.release()
+            failpoint(STORE_TIER_BEFORE_WRITE)  # tests: a disk slower than the puts
+            for i, code in zip(started, self._ssd.write_many(items), strict=True):
+                codes[i] = code
+        except Exception:  # a bug must not stop the worker: report what is left as failed
+            log.exception("a batch of %d demotions failed", len(tasks))
+            for i in started:
+                codes[i] = ErrorCode.INTERNAL if codes[i] == ErrorCode.OK else codes[i]
+        finally:
+            for item in items:
+                item.value.release()
+        for task, code in zip(tasks, codes, strict=True):
+            if code == ErrorCode.OK:
+                self.stats.demoted += 1
+                self.stats.demoted_bytes += task.length
+            else:
+                self.stats.failed += 1
+        return codes
+
     def _dram(self, segment_id: int, offset: int, length: int) -> memoryview | None:
         seg = self._segment
         if segment_id != seg.id or offset < 0 or length <= 0 or offset + length > seg.size:
             return None
         return seg.view[offset : offset + length]
 
-    def _demote(self, task: pb.TierTask) -> ErrorCode:
-        src = self._dram(task.src_segment, task.src_offset, task.length)
-        if src is None or task.dst_segment != self._ssd_id:
-            return ErrorCode.SEGMENT_NOT_FOUND
+    def promote_many(self, tasks: Sequence[pb.TierTask]) -> list[ErrorCode]:
+        """Run a stretch of PROMOTEs, their disk reads in parallel; one code per task. Never raises."""
+        codes = self._ssd.in_parallel(self._promote_checked, tasks)
+        for code in codes:
+            if code == ErrorCode.OK:
+                self.stats.promoted += 1
+            else:
+                self.stats.failed += 1
+        return codes
+
+    def _promote_checked(self, task: pb.TierTask) -> ErrorCode:
+        if self._late(task):
+            return ErrorCode.TIMEOUT
         try:
-            code = self._ssd.write(task.dst_offset, task.key.encode(), src, task.checksum)
-        finally:
-            src.release()
-        if code == ErrorCode.OK:
-            self.stats.demoted += 1
-            self.stats.demoted_bytes += task.length
-        return code
+            return self._promote(task)
+        except Exception:  # a bug must not stop the worker: report the task as failed
+            log.exception("tier task %s failed", task.id)
+            return ErrorCode.INTERNAL
 
     def _promote(self, task: pb.TierTask) -> ErrorCode:
         if task.src_segment != self._ssd_id:
@@ -220,7 +276,6 @@ class TierWorker(threading.Thread):
             self._inventory.record_part(
                 task.dst_segment, task.dst_offset, task.length, key, task.checksum, 0, task.length
             )
-            self.stats.promoted += 1
         return code
 
 
@@ -228,6 +283,10 @@ class StoreTier:
     """A store's SSD tier as the store process sees it: the directory, its segment id and grant secret, the
     data plane hook and the worker. Created at start, after ``SsdTier.scan`` re-adopted what a previous
     process of this store left in the directory."""
+
+    COUNTERS = frozenset({"ssd_written_bytes", "ssd_read_bytes"})
+    """The figures of :meth:`metrics` that only grow (Prometheus counters: SSD write and read GB/s are their
+    rates)."""
 
     def __init__(self, ssd: SsdTier, segment_id: int, secret: bytes) -> None:
         self.ssd = ssd
@@ -317,4 +376,7 @@ class StoreTier:
             "ssd_promoted": stats.promoted,
             "ssd_deleted": stats.deleted,
             "ssd_task_failures": stats.failed,
+            "ssd_written_bytes": self.ssd.written_bytes,
+            "ssd_read_bytes": self.ssd.read_bytes,
+            "ssd_direct_io": int(self.ssd.direct),
         }

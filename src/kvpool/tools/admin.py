@@ -1,8 +1,8 @@
 """``kvpool-admin``: inspect and operate a running cluster.
 
-    kvpool-admin status            cluster summary: leader, stores, capacity, used, hit rate
-    kvpool-admin nodes             one line per node (segments, status, capacity, used, objects)
-    kvpool-admin stats             the master's counters
+    kvpool-admin status            cluster summary: leader, stores, DRAM and SSD capacity and use, hit rate
+    kvpool-admin nodes             one line per node (segments, status, DRAM and SSD capacity and use, objects)
+    kvpool-admin stats             the master's counters (with the SSD tier's: demotions, drops, backlog)
     kvpool-admin leader            the serving master, its view, and every live master with its state
     kvpool-admin evict [--prefix P] [--force]   remove objects (all, or one namespace)
     kvpool-admin drain NODE [--wait] [--timeout S]   move NODE's objects away (DRAINING -> DRAINED)
@@ -65,12 +65,54 @@ def nodes_doc(stats: pb.StatsResponse) -> dict[str, Any]:
                 "node": node,
                 "segments": len(segs),
                 "status": states.pop() if len(states) == 1 else "MIXED",
-                "capacity": sum(s.size for s in segs),
-                "used": sum(s.used for s in segs),
+                "capacity": sum(s.size for s in segs if not s.tier),
+                "used": sum(s.used for s in segs if not s.tier),
+                "ssd_capacity": sum(s.size for s in segs if s.tier),
+                "ssd_used": sum(s.used for s in segs if s.tier),
                 "objects": sum(s.objects for s in segs),
             }
         )
     return {"nodes": nodes}
+
+
+TIER_STATS = (
+    "ssd_capacity_bytes",
+    "ssd_used_bytes",
+    "demotions",
+    "demoted_bytes",
+    "demote_failures",
+    "demote_pending_bytes",
+    "promotions",
+    "promote_failures",
+    "dram_dropped",
+    "dram_dropped_urgent",
+    "puts_backpressured",
+    "ssd_evictions",
+    "ssd_evicted_bytes",
+    "tier_tasks_pending",
+    "tier_tasks_expired",
+    "ssd_read_granted_bytes",
+    "ssd_write_bps",
+    "ssd_read_bps",
+)
+"""The SSD tier's figures in ``StatsResponse.extra`` (master/tier_service.py), shown by ``stats``."""
+
+
+def _tier_doc(s: pb.StatsResponse) -> dict[str, int]:
+    """The SSD tier's figures (DRAM and SSD are shown apart: ``capacity``/``used`` are DRAM only)."""
+    return {name: int(s.extra.get(name, 0)) for name in TIER_STATS}
+
+
+def _tier_lines(d: dict[str, Any]) -> str:
+    if not d["ssd_capacity_bytes"]:
+        return ""
+    return (
+        f"\nSSD       {format_size(d['ssd_capacity_bytes'])}, used {format_size(d['ssd_used_bytes'])} "
+        f"({d['ssd_used_bytes'] / d['ssd_capacity_bytes']:.1%})\n"
+        f"tiering   {d['demotions']} demoted, {d['promotions']} promoted, {d['dram_dropped']} dropped, "
+        f"backlog {format_size(d['demote_pending_bytes'])}\n"
+        f"SSD I/O   write {d['ssd_write_bps'] / 1e9:.3f} GB/s, read {d['ssd_read_bps'] / 1e9:.3f} GB/s"
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -86,6 +128,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "objects": s.objects,
         "hit_rate": s.hits / lookups if lookups else 0.0,
         "evictions": s.evictions,
+        **_tier_doc(s),
     }
     _emit(
         args,
@@ -94,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"leader    {d['leader']} ({d['role']})\nstores    {d['stores']} ({d['segments']} segments)\n"
             f"capacity  {format_size(d['capacity'])}, used {format_size(d['used'])} "
             f"({d['used'] / d['capacity'] if d['capacity'] else 0:.1%})\nobjects   {d['objects']}\n"
-            f"hit rate  {d['hit_rate']:.1%}\nevicted   {d['evictions']} objects"
+            f"hit rate  {d['hit_rate']:.1%}\nevicted   {d['evictions']} objects" + _tier_lines(d)
         ),
     )
     return 0
@@ -104,11 +147,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     doc = nodes_doc(_stats(args))
 
     def table(d: dict[str, Any]) -> str:
-        lines = [f"{'NODE':<24} {'SEGS':>4} {'STATUS':<9} {'CAPACITY':>11} {'USED':>11} {'OBJECTS':>9}"]
+        lines = [
+            f"{'NODE':<24} {'SEGS':>4} {'STATUS':<9} {'CAPACITY':>11} {'USED':>11} "
+            f"{'SSD':>11} {'SSD USED':>11} {'OBJECTS':>9}"
+        ]
         for n in d["nodes"]:
             lines.append(
                 f"{n['node']:<24} {n['segments']:>4} {n['status']:<9} {format_size(n['capacity']):>11} "
-                f"{format_size(n['used']):>11} {n['objects']:>9}"
+                f"{format_size(n['used']):>11} {format_size(n['ssd_capacity']):>11} "
+                f"{format_size(n['ssd_used']):>11} {n['objects']:>9}"
             )
         return "\n".join(lines)
 
@@ -132,6 +179,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "reclaimed_puts",
         )
     }
+    doc.update(_tier_doc(s))
     _emit(args, doc, lambda d: "\n".join(f"{k:<16} {v}" for k, v in d.items()))
     return 0
 

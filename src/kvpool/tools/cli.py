@@ -47,6 +47,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvpool.tools.bench_soak",
         "client processes, mixed checked workload, a store restart: errors, RSS",
     ),
+    "ssd": (
+        "kvpool.tools.bench_ssd",
+        "SSD tier: demotion, burst kept fraction and SSD reads against the disk's direct bandwidth",
+    ),
 }
 BENCHES["serve"] = (
     "kvpool.tools.bench_serve",

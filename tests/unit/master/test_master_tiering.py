@@ -127,23 +127,55 @@ def test_a_corrupt_dram_copy_is_dropped() -> None:
     c.check()
 
 
-def test_urgent_eviction_drops_at_once_and_puts_never_wait_for_demotions() -> None:
+def test_a_full_pool_refuses_puts_with_backlog_while_demotions_free_dram_and_drops_nothing() -> None:
     c = tiered(eviction_high_watermark=1.0, eviction_target=0.9)
     put_pages(c, 10)
-    # The pool is full and nothing is being demoted: a put must still succeed (Mooncake #2187).
+    # Full, nothing demoting yet: the put queues a demotion and is told to come back (no object dropped).
+    assert c.put("new", size=PAGE) == [E.DEMOTION_BACKLOG]
+    assert c.state.tiers.progress.is_set()  # the eviction thread is woken
+    stats = c.state.tiers.stats()
+    assert (stats["puts_backpressured"], stats["dram_dropped"], stats["demote_pending_bytes"]) == (1, 0, PAGE)
+    [demote] = tasks(c)
+    assert demote.key == "k0"
+    report(c, [(demote, E.OK)])
     assert c.put("new", size=PAGE) == [OK]
-    assert c.present(["k0", "new"]) == ["new"]
-    assert c.state.tiers.stats()["dram_dropped"] == 1
-    assert tasks(c) == []
+    assert c.present(["k0", "new"]) == ["k0", "new"]
+    assert tiers_of(c, "k0") == [1]
     c.check()
 
 
-def test_demotions_past_the_pending_cap_drop_instead() -> None:
-    c = tiered(demote_max_pending=0.2)  # 2 pages may wait for demotion
+def test_with_no_room_on_the_ssd_a_put_drops_the_coldest_object_and_never_waits() -> None:
+    c = tiered(ssd_pages=1, eviction_high_watermark=1.0, eviction_target=0.9)
+    put_pages(c, 10)
+    c.state.evict(PAGE)
+    report(c, [(t, E.OK) for t in tasks(c)])  # k0 fills the SSD
+    assert c.put("x", size=PAGE) == [OK]
+    # Full again and the SSD has no room (Mooncake #2187: puts must not stall): k1 is dropped.
+    assert c.put("new", size=PAGE) == [OK]
+    assert c.present(["k0", "k1", "new"]) == ["k0", "new"]
+    assert c.state.tiers.stats()["dram_dropped"] == 1
+    c.check()
+
+
+def test_urgent_eviction_drops_at_once() -> None:
+    c = tiered()
     put_pages(c, 9)
-    report_ = c.state.evict()
-    assert report_.keys == ["k2", "k3"]  # dropped, the two oldest demote
-    assert [t.key for t in tasks(c)] == ["k0", "k1"]
+    assert c.state.evict(PAGE, urgent=True).keys == ["k0"]
+    assert tasks(c) == []
+    assert c.state.tiers.stats()["dram_dropped_urgent"] == 1
+    c.check()
+
+
+def test_demotions_past_the_pending_cap_wait_instead_of_dropping() -> None:
+    c = tiered(demote_max_pending=0.2)  # 2 pages may wait for demotion
+    keys = put_pages(c, 9)
+    assert c.state.evict().keys == []  # nothing dropped: the two oldest demote, the rest wait
+    first = tasks(c)
+    assert [t.key for t in first] == ["k0", "k1"]
+    assert c.present(keys) == keys
+    report(c, [(t, E.OK) for t in first])
+    c.state.evict()
+    assert [t.key for t in tasks(c)] == ["k2", "k3"]
     c.check()
 
 
@@ -344,3 +376,38 @@ def test_an_abandoned_promotion_holds_its_dram_range_until_the_store_cannot_writ
     c.state.reclaim_abandoned_puts()  # the maintenance pass that releases held ranges
     assert c.used(DRAM) == used - PAGE
     c.check()
+
+
+def test_a_store_takes_at_most_a_byte_budget_of_copies_per_exchange_and_deletes_ride_along() -> None:
+    from kvpool.master.tiering import TierChannel
+
+    channel = TierChannel("s")
+    with channel.lock:
+        for i in range(4):
+            channel.push_locked(TaskKind.DEMOTE, f"k{i}", (DRAM, i * PAGE), (SSD, i * PAGE), PAGE, 0, 0.0)
+            channel.push_locked(TaskKind.DELETE, "", (0, 0), (SSD, 100 * PAGE + i), PAGE, 0, 0.0)
+    first, left = channel.take(100, max_bytes=2 * PAGE)
+    assert [(t.kind, t.key) for t in first] == [
+        (TaskKind.DEMOTE, "k0"),
+        (TaskKind.DELETE, ""),
+        (TaskKind.DEMOTE, "k1"),
+        (TaskKind.DELETE, ""),
+    ]
+    assert (left, sorted(channel.inflight)) == (4, [t.id for t in first if t.kind == TaskKind.DEMOTE])
+    huge, _ = channel.take(100, max_bytes=1)  # one copy always goes, whatever its size
+    assert [t.key for t in huge] == ["k2", ""]
+
+
+def test_stats_give_the_ssd_write_and_read_rates_over_the_last_seconds() -> None:
+    c = tiered()
+    keys = put_pages(c, 4)
+    c.state.tiers.maintain()  # first sample: nothing demoted yet
+    c.state.evict(4 * PAGE)
+    report(c, [(t, E.OK) for t in tasks(c)])
+    [res] = c.get(keys[0])  # a leased read of an SSD-only object
+    assert res.code == OK
+    c.advance(2)
+    c.state.tiers.maintain()
+    stats = c.state.tiers.stats()
+    assert (stats["demoted_bytes"], stats["ssd_read_granted_bytes"]) == (4 * PAGE, PAGE)
+    assert (stats["ssd_write_bps"], stats["ssd_read_bps"]) == (2 * PAGE, PAGE // 2)

@@ -382,3 +382,145 @@ def test_serve_tier_read_sends_the_granted_part_and_refuses_bad_grants(tier: Ssd
     assert read_tier_part(tier, secret, desc(expiry=999), 1000) == (E.GRANT_EXPIRED, None)
     assert read_tier_part(tier, secret, desc(part=(9000, 2000)), 1000) == (E.OUT_OF_BOUNDS, None)
     assert read_tier_part(tier, secret, desc(key=b"other"), 1000) == (E.OBJECT_NOT_FOUND, None)
+
+
+# ====================================================================== batched demotion
+
+
+def demote_task(task_id: int, key: str, src: int, dst: int, data: bytes, **fields: Any) -> pb.TierTask:
+    return pb.TierTask(
+        id=task_id,
+        kind=pb.TIER_DEMOTE,
+        key=key,
+        src_segment=5,
+        src_offset=src,
+        dst_segment=9,
+        dst_offset=dst,
+        length=len(data),
+        checksum=fields.pop("value_checksum", checksum(data)),
+        **fields,
+    )
+
+
+def test_a_batch_of_demotions_is_written_in_runs_with_each_object_checked(tmp_path: Path, tier: SsdTier) -> None:
+    page = 4096
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 18, segment_id=5)
+    try:
+        values = [value(2 * page, seed) for seed in range(6)]
+        for i, data in enumerate(values):
+            seg.view[i * 2 * page : (i + 1) * 2 * page] = data
+        odd = value(3000, 77)  # not page-sized: the buffered path, next to aligned ones
+        seg.view[12 * page : 12 * page + 3000] = odd
+        tasks = [demote_task(i + 1, f"k{i}", i * 2 * page, (10 - 2 * i) * page, d) for i, d in enumerate(values)]
+        tasks[2].checksum ^= 1  # corrupt in DRAM: refused, its neighbours still written
+        tasks.append(demote_task(7, "odd", 12 * page, 12 * page, odd))
+        tasks.append(demote_task(8, "far", 0, CAP - 100, value(200)))  # runs past the tier's end
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
+        codes = {r.id: E(r.code) for r in worker.run_batch(tasks)}
+        assert codes == {
+            1: E.OK,
+            2: E.OK,
+            3: E.CHECKSUM_MISMATCH,
+            4: E.OK,
+            5: E.OK,
+            6: E.OK,
+            7: E.OK,
+            8: E.OUT_OF_BOUNDS,
+        }
+        assert worker.stats.demoted == 6
+        assert tier.written_bytes == 5 * 2 * page + 3000
+        for task, data in [*zip(tasks[:6], values, strict=True), (tasks[6], odd)]:
+            dest = bytearray(len(data))
+            expected = E.OK if task.id != 3 else E.OBJECT_NOT_FOUND
+            assert tier.read_into(task.dst_offset, task.key.encode(), memoryview(dest), checksum(data)) == expected
+            if expected == E.OK:
+                assert bytes(dest) == data
+        # Every write is in the journal: a restart re-adopts the six objects.
+        tier.close()
+        again, scan = reopen(tmp_path / "ssd")
+        assert (scan.adopted, scan.dropped) == (6, [])
+        again.close()
+    finally:
+        seg.close()
+
+
+def test_a_delete_between_demotions_into_the_same_range_keeps_the_later_object(tmp_path: Path, tier: SsdTier) -> None:
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 16, segment_id=5)
+    try:
+        first, second = value(4096, 1), value(4096, 2)
+        seg.view[0:4096] = first
+        seg.view[4096:8192] = second
+        tasks = [
+            demote_task(1, "first", 0, 0, first),
+            pb.TierTask(id=2, kind=pb.TIER_DELETE, dst_segment=9, dst_offset=0),
+            demote_task(3, "second", 4096, 0, second),
+        ]
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
+        assert [(r.id, r.code) for r in worker.run_batch(tasks)] == [(1, 0), (3, 0)]
+        assert tier.entries() == [SsdEntry(b"second", 0, 4096, checksum(second))]
+        dest = bytearray(4096)
+        assert tier.read_into(0, b"second", memoryview(dest), checksum(second)) == E.OK
+        assert bytes(dest) == second
+    finally:
+        seg.close()
+
+
+def test_a_stretch_of_promotions_is_read_in_parallel_each_checked(tmp_path: Path, tier: SsdTier) -> None:
+    page = 4096
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 18, segment_id=5)
+    inventory = Inventory()
+    try:
+        values = [value(page, seed) for seed in range(5)]
+        for i, data in enumerate(values):
+            assert put(tier, i * page, f"p{i}".encode(), data) == E.OK
+
+        def promote(task_id: int, i: int, **fields: Any) -> pb.TierTask:
+            task = pb.TierTask(
+                id=task_id,
+                kind=pb.TIER_PROMOTE,
+                key=f"p{i}",
+                src_segment=9,
+                src_offset=i * page,
+                dst_segment=5,
+                dst_offset=(10 + i) * page,
+                length=page,
+                checksum=checksum(values[i]),
+            )
+            for name, field_value in fields.items():
+                setattr(task, name, field_value)
+            return task
+
+        tasks = [promote(i + 1, i) for i in range(5)]
+        tasks[1].checksum ^= 1  # the SSD copy does not match: refused, never recorded
+        tasks[3].dst_segment = 6  # not our segment
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, inventory)
+        codes = [E(r.code) for r in worker.run_batch(tasks)]
+        assert codes == [E.OK, E.CHECKSUM_MISMATCH, E.OK, E.SEGMENT_NOT_FOUND, E.OK]
+        for i in (0, 2, 4):
+            assert bytes(seg.view[(10 + i) * page : (11 + i) * page]) == values[i]
+        recorded = sorted(e.key for e in inventory.entries(5))
+        assert recorded == [b"p0", b"p2", b"p4"]
+        assert (worker.stats.promoted, worker.stats.failed) == (3, 2)
+    finally:
+        seg.close()
+
+
+def test_large_values_are_hashed_and_written_on_the_io_threads(tmp_path: Path, tier: SsdTier) -> None:
+    big = 64 << 10
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 19, segment_id=5)
+    try:
+        values = [os.urandom(big) for _ in range(4)]
+        for i, data in enumerate(values):
+            seg.view[i * big : (i + 1) * big] = data
+        # Every other 64 KiB slot: four runs, none adjacent; the third is corrupt.
+        tasks = [demote_task(i + 1, f"b{i}", i * big, 2 * i * big, d) for i, d in enumerate(values)]
+        tasks[2].checksum ^= 1
+        worker = TierWorker(FakeLink([]), "s", tier, 9, seg, Inventory())
+        assert [E(r.code) for r in worker.run_batch(tasks)] == [E.OK, E.OK, E.CHECKSUM_MISMATCH, E.OK]
+        for i in (0, 1, 3):
+            dest = bytearray(big)
+            assert tier.read_into(2 * i * big, f"b{i}".encode(), memoryview(dest), checksum(values[i])) == E.OK
+            assert bytes(dest) == values[i]
+        assert tier.written_bytes == 3 * big
+    finally:
+        seg.close()
