@@ -142,7 +142,7 @@ _MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.ILLEGAL_CLIENT: "only the client that started a put may end or revoke it",
     ErrorCode.NO_PUT_IN_PROGRESS: "no put of this key is in progress",
     ErrorCode.NO_SPACE: "no writable segment can hold the object (no stores, all full, or all draining)",
-    ErrorCode.DEMOTION_BACKLOG: "DRAM is full while objects are being demoted to the SSD tier (the client retries within its deadline)",
+    ErrorCode.DEMOTION_BACKLOG: "DRAM is full while objects move to the SSD tier (the client retries in its deadline)",
     ErrorCode.SEGMENT_NOT_FOUND: "no such segment",
     ErrorCode.SEGMENT_ALREADY_EXISTS: "the segment is already mounted",
     ErrorCode.SEGMENT_NOT_WRITABLE: "the segment is draining or drained: readable, but takes no new objects",
