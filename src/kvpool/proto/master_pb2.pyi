@@ -587,3 +587,29 @@ class RebalanceStatusResponse(_message.Message):
     message: str
     planned: int
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., state: _Optional[str] = ..., objects_moved: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., in_flight: _Optional[int] = ..., spread: _Optional[float] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ..., planned: _Optional[int] = ...) -> None: ...
+
+class StandbyDeltaRequest(_message.Message):
+    __slots__ = ("store_id", "segment_id", "epoch", "changes", "removed")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    segment_id: int
+    epoch: str
+    changes: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
+    removed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, store_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., epoch: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., removed: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class StandbyFeedResponse(_message.Message):
+    __slots__ = ("status", "epoch", "adopted", "rejected")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    epoch: str
+    adopted: int
+    rejected: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., epoch: _Optional[str] = ..., adopted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
