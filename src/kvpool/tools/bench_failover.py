@@ -241,13 +241,255 @@ def run_failover(
         workload.close()
 
 
+@dataclass
+class RecoveryResult:
+    """One failover at scale: what a prober reading random objects saw over time after the kill."""
+
+    objects: int
+    seconds_standbys_warm: float
+    seconds_to_new_leader: float
+    seconds_to_first_read: float
+    recovered_fraction: float
+    seconds_to_full_index: float
+    recovered_over_time: list[list[float]]
+    wrong_reads: int
+    old_leader: str
+    new_leader: str
+
+
+def _value_of(key: str, size: int) -> bytes:
+    """The bytes written under ``key``: derived from it, so that nothing per object is kept to check it."""
+    block = hashlib.blake2b(key.encode(), digest_size=64).digest()
+    return (block * (size // 64 + 1))[:size]
+
+
+class Prober:
+    """Writes ``objects`` small values, then reads random samples of them and checks every byte.
+
+    Its client keeps no read leases, so every probe asks the master: a cached lease would hide a cold
+    index."""
+
+    def __init__(self, master: str, cluster: str, value_bytes: int) -> None:
+        from kvpool.client import ClientConfig, PoolClient
+
+        config = ClientConfig(
+            master=master,
+            use_shm=False,
+            timeout_s=2.0,
+            cluster=cluster,
+            breaker_backoff_s=0.1,
+            breaker_max_backoff_s=0.5,
+            lease_cache_entries=0,
+        )
+        self.client = PoolClient(config=config)
+        self.value_bytes = value_bytes
+        self.keys: list[str] = []
+        self.wrong = 0
+        self._rng = random.Random(7)
+
+    def write(self, objects: int, batch: int = 256) -> None:
+        for start in range(0, objects, batch):
+            keys = [f"obj-{i}" for i in range(start, min(objects, start + batch))]
+            codes = self.client.batch_put_from(keys, [_value_of(k, self.value_bytes) for k in keys])
+            self.keys.extend(k for k, code in zip(keys, codes, strict=True) if code == 0)
+
+    def probe(self, sample: int) -> float:
+        """The fraction of ``sample`` random objects that read back with the right bytes now."""
+        keys = self._rng.sample(self.keys, min(sample, len(self.keys)))
+        good = 0
+        for start in range(0, len(keys), 256):
+            chunk = keys[start : start + 256]
+            for key, value in zip(chunk, self.client.batch_get(chunk, timeout=2.0), strict=True):
+                if value is None:
+                    continue
+                if value == _value_of(key, self.value_bytes):
+                    good += 1
+                else:
+                    self.wrong += 1
+        return good / len(keys) if keys else 0.0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _objects_of(endpoint: str) -> int:
+    try:
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = pb_grpc.MasterServiceStub(channel)  # type: ignore[no-untyped-call]
+            return int(stub.GetStats(pb.StatsRequest(), timeout=5.0).objects)
+    except grpc.RpcError:
+        return -1
+
+
+def wait_for_warm_standbys(endpoints: list[str], leader: str, objects: int, timeout: float) -> float:
+    """Seconds until every standby's index holds ``objects`` objects (nan if it did not happen in time)."""
+    started = time.monotonic()
+    deadline = Deadline(timeout)
+    standbys = [e for e in endpoints if e != leader]
+    while not deadline.expired():
+        if all(_objects_of(e) >= objects for e in standbys):
+            return time.monotonic() - started
+        time.sleep(0.2)
+    return float("nan")
+
+
+def measure_recovery(
+    cluster: Any,
+    objects: int,
+    value_bytes: int = 512,
+    sample: int = 1000,
+    timeout: float = 120.0,
+    warm_timeout: float = 300.0,
+) -> RecoveryResult:
+    """Write ``objects``, SIGKILL the leader, then probe random samples until all of a sample reads back.
+
+    ``recovered_fraction`` is the fraction of the first probe that read anything after the new leader
+    served; ``seconds_to_full_index`` is when a whole sample first read back right (nan: never)."""
+    endpoints = [m.address for m in cluster.masters]
+    old = wait_for_leader(endpoints, timeout)
+    prober = Prober(cluster.master, cluster.cluster, value_bytes)
+    try:
+        prober.write(objects)
+        written = _objects_of(old)
+        warm = wait_for_warm_standbys(endpoints, old, written, warm_timeout)
+        time.sleep(1.0)  # every object is acknowledged more than 1 s before the kill
+        leader_at: list[float] = []
+        watcher = threading.Thread(
+            target=lambda: leader_at.append(time.monotonic() if wait_for_leader(endpoints, timeout, old) else 0.0),
+            daemon=True,
+        )
+        t0 = time.monotonic()
+        cluster.kill(next(m for m in cluster.masters if m.address == old))
+        watcher.start()
+        over_time: list[list[float]] = []
+        first_read = recovered = full = float("nan")
+        deadline = Deadline(timeout)
+        while not deadline.expired():
+            probe_start = time.monotonic() - t0
+            fraction = prober.probe(sample)
+            over_time.append([round(probe_start, 3), round(fraction, 4)])
+            if fraction > 0 and first_read != first_read:
+                first_read, recovered = probe_start, fraction
+            if fraction >= 1.0:
+                full = probe_start
+                break
+            time.sleep(0.1)
+        watcher.join(timeout)
+        t_leader = (leader_at[0] - t0) if leader_at and leader_at[0] else float("nan")
+        new = serving_leader(endpoints, old)
+        return RecoveryResult(
+            objects=len(prober.keys),
+            seconds_standbys_warm=warm,
+            seconds_to_new_leader=t_leader,
+            seconds_to_first_read=first_read,
+            recovered_fraction=recovered,
+            seconds_to_full_index=full,
+            recovered_over_time=over_time,
+            wrong_reads=prober.wrong,
+            old_leader=old,
+            new_leader=new,
+        )
+    finally:
+        prober.close()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=positive_int, default=3, help="failovers to measure (default 3); medians printed"
     )
     parser.add_argument("--leader-ttl-s", type=positive_float, default=3.0, help="leader lease TTL (default: 3 s)")
     parser.add_argument("--objects", type=positive_int, default=400, help="objects written before each failover (400)")
+    parser.add_argument(
+        "--value-bytes",
+        type=positive_int,
+        default=512,
+        help="bytes per object when --objects is above 400 (the scale measurement; default 512)",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="turn the stores' feed to the standby masters off: the new leader starts cold (the baseline)",
+    )
     parser.add_argument("--json", action="store_true")
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    known = [v for v in values if v == v]
+    return statistics.median(known) if known else float("nan")
+
+
+def _median_curve(curves: list[list[list[float]]], step: float = 0.5) -> list[list[float]]:
+    """The median over runs of the recovered fraction, on a common grid of ``step`` seconds after the kill
+    (each run's curve is held at its last probe before each grid point; 1.0 once a run is complete)."""
+    if not curves:
+        return []
+    end = max(c[-1][0] for c in curves if c)
+    grid: list[list[float]] = []
+    t = 0.0
+    while t <= end + step:
+        at = []
+        for curve in curves:
+            before = [f for s, f in curve if s <= t]
+            at.append(before[-1] if before else 0.0)
+        grid.append([round(t, 2), round(_median(at), 4)])
+        t += step
+    return grid
+
+
+def _scale_size(objects: int, value_bytes: int, stores: int) -> str:
+    """Segment size per store: the objects with room to spare (allocations are 64-byte aligned)."""
+    per_object = (value_bytes + 63) // 64 * 64
+    need = objects * per_object * 2 // stores
+    return f"{max(64, need >> 20)}MiB"
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from kvpool.tools.local_cluster import LocalCluster
+
+    store_args = ("--standby-feed-interval-s", "0") if args.cold else ()
+    results = []
+    for i in range(args.runs):
+        with LocalCluster(
+            stores=2,
+            store_size=_scale_size(args.objects, args.value_bytes, 2),
+            ha=True,
+            master_args=("--leader-ttl-s", str(args.leader_ttl_s)),
+            store_args=store_args,
+        ) as cluster:
+            results.append(measure_recovery(cluster, args.objects, args.value_bytes))
+            print(f"run {i + 1}: {json.dumps(asdict(results[-1]))}", file=sys.stderr)
+    doc = {
+        "objects": args.objects,
+        "value_bytes": args.value_bytes,
+        "leader_ttl_s": args.leader_ttl_s,
+        "warm_standbys": not args.cold,
+        "seconds_standbys_warm": _median([r.seconds_standbys_warm for r in results]),
+        "seconds_to_new_leader": _median([r.seconds_to_new_leader for r in results]),
+        "seconds_to_first_read": _median([r.seconds_to_first_read for r in results]),
+        "first_read_after_new_leader_s": _median([r.seconds_to_first_read - r.seconds_to_new_leader for r in results]),
+        "recovered_fraction": _median([r.recovered_fraction for r in results]),
+        "seconds_to_full_index": _median([r.seconds_to_full_index for r in results]),
+        "recovered_over_time": _median_curve([r.recovered_over_time for r in results]),
+        "wrong_reads": sum(r.wrong_reads for r in results),
+        "runs": [asdict(r) for r in results],
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"{args.objects} objects of {args.value_bytes} B, leader TTL {args.leader_ttl_s:.1f} s, medians:")
+        for name in (
+            "seconds_standbys_warm",
+            "seconds_to_new_leader",
+            "seconds_to_first_read",
+            "first_read_after_new_leader_s",
+            "recovered_fraction",
+            "seconds_to_full_index",
+            "wrong_reads",
+        ):
+            print(f"  {name:32s} {doc[name]}")
+    return 0 if doc["wrong_reads"] == 0 else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -255,6 +497,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.tools.local_cluster import LocalCluster
 
+    if args.objects > 400 or args.cold:
+        return run_scale(args)
     results = []
     for i in range(args.runs):
         with LocalCluster(
