@@ -94,13 +94,14 @@ class StandbyIndex:
             if not self._is_follower():
                 return FeedResult(ErrorCode.NOT_LEADER)
             state = self._state
+            segment = self._segment(spec.id)
+            if self._warm.get(spec.id) == spec.store_id and segment is not None:
+                # A re-sync: what the store no longer lists goes first, so its ranges can take what it does.
+                self._drop_unheld(segment, {(item.key, item.offset) for item in inventory})
             result = state.mount_segment(spec, inventory, remount=True)
             if result.code != ErrorCode.OK:
                 return FeedResult(result.code)
             state.set_segment_status([spec.id], int(SegmentStatus.DRAINING))
-            segment = self._segment(spec.id)
-            if spec.id in self._warm and segment is not None:  # a re-sync: what it no longer lists goes
-                self._drop_unheld(segment, {(item.key, item.offset) for item in inventory})
             self._warm[spec.id] = spec.store_id
             return FeedResult(ErrorCode.OK, self._epoch, result.adopted, result.rejected)
 

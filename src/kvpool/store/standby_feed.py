@@ -173,6 +173,11 @@ class StandbyFeed:
             standby.epoch = ""
 
     def _sync(self, standby: _Standby) -> None:
+        # A cheap question first: an empty delta for no epoch is answered NEED_REMOUNT only by a follower,
+        # so a master that cannot take the feed (leading, warming up) never costs a snapshot.
+        probe = pb.StandbyDeltaRequest(store_id=self._store_id, segment_id=self._segment_id)
+        if as_code(self._call(standby, "StandbyDelta", probe, timeout=5.0).status.code) != ErrorCode.NEED_REMOUNT:
+            return
         position = self._end()  # before the snapshot: every change before it is in the snapshot
         request = self._segment_request()
         response = self._call(standby, "StandbySync", request, timeout=60.0)

@@ -84,6 +84,7 @@ def test_a_delta_for_another_epoch_or_store_asks_for_a_sync() -> None:
     assert s.delta(1, "not-the-epoch", (item("b", 1024), False)) == E.NEED_REMOUNT
     assert s.index.delta("store9", 1, epoch, [(item("b", 1024), False)]).code == E.NEED_REMOUNT
     assert s.delta(2, epoch, (item("b", 1024), False)) == E.NEED_REMOUNT  # never synced
+    assert s.index.delta("store1", 1, "", []).code == E.NEED_REMOUNT  # the feed's question before a sync
     s.index.reset(s.c.state)  # the master forgot its index: its epoch changed
     assert s.delta(1, epoch, (item("b", 1024), False)) == E.NEED_REMOUNT
     assert s.c.present(["b"]) == []
@@ -92,8 +93,8 @@ def test_a_delta_for_another_epoch_or_store_asks_for_a_sync() -> None:
 def test_a_resync_drops_what_the_store_no_longer_lists() -> None:
     s = Standby()
     s.sync(1, [item("a", 0), item("b", 1024)])
-    s.sync(1, [item("b", 1024), item("c", 2048)])
-    assert s.c.present(["a", "b", "c"]) == ["b", "c"]
+    s.sync(1, [item("b", 1024), item("c", 2048), item("over-a", 0, 900)])
+    assert s.c.present(["a", "b", "c", "over-a"]) == ["b", "c", "over-a"]
     s.c.check()
 
 
