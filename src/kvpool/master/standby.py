@@ -135,8 +135,9 @@ class StandbyIndex:
         """Whether a heartbeat of this store must be answered NEED_REMOUNT: it was fed, not re-mounted."""
         if not self._warm:
             return False
-        with self._lock:
-            return store_id in self._warm.values() and not self._is_follower()
+        # Without the lock (a reconcile holds it for seconds at 1 M objects): copying the values is one
+        # step under the GIL, and a store that was just reconciled at worst re-mounts once more.
+        return store_id in list(self._warm.values()) and not self._is_follower()
 
     def mount(self, spec: SegmentSpec, inventory: Sequence[InventoryItem], remount: bool) -> MountResult:
         """A store's (re-)mount through the master's membership RPC: for a warm segment this is the
