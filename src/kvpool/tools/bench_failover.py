@@ -340,6 +340,7 @@ def measure_recovery(
     sample: int = 1000,
     timeout: float = 120.0,
     warm_timeout: float = 300.0,
+    warm: bool = True,
 ) -> RecoveryResult:
     """Write ``objects``, SIGKILL the leader, then probe random samples until all of a sample reads back.
 
@@ -351,7 +352,7 @@ def measure_recovery(
     try:
         prober.write(objects)
         written = _objects_of(old)
-        warm = wait_for_warm_standbys(endpoints, old, written, warm_timeout)
+        standbys_warm = wait_for_warm_standbys(endpoints, old, written, warm_timeout) if warm else float("nan")
         time.sleep(1.0)  # every object is acknowledged more than 1 s before the kill
         leader_at: list[float] = []
         watcher = threading.Thread(
@@ -379,7 +380,7 @@ def measure_recovery(
         new = serving_leader(endpoints, old)
         return RecoveryResult(
             objects=len(prober.keys),
-            seconds_standbys_warm=warm,
+            seconds_standbys_warm=standbys_warm,
             seconds_to_new_leader=t_leader,
             seconds_to_first_read=first_read,
             recovered_fraction=recovered,
@@ -458,7 +459,7 @@ def run_scale(args: argparse.Namespace) -> int:
             master_args=("--leader-ttl-s", str(args.leader_ttl_s)),
             store_args=store_args,
         ) as cluster:
-            results.append(measure_recovery(cluster, args.objects, args.value_bytes))
+            results.append(measure_recovery(cluster, args.objects, args.value_bytes, warm=not args.cold))
             print(f"run {i + 1}: {json.dumps(asdict(results[-1]))}", file=sys.stderr)
     doc = {
         "objects": args.objects,
