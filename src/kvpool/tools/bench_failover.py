@@ -246,6 +246,7 @@ class RecoveryResult:
     """One failover at scale: what a prober reading random objects saw over time after the kill."""
 
     objects: int
+    puts_per_s: float
     seconds_standbys_warm: float
     seconds_to_new_leader: float
     seconds_to_first_read: float
@@ -351,7 +352,9 @@ def measure_recovery(
     old = wait_for_leader(endpoints, timeout)
     prober = Prober(cluster.master, cluster.cluster, value_bytes)
     try:
+        write_started = time.monotonic()
         prober.write(objects)
+        puts_per_s = len(prober.keys) / (time.monotonic() - write_started)
         written = _objects_of(old)
         standbys_warm = wait_for_warm_standbys(endpoints, old, written, warm_timeout) if warm else float("nan")
         time.sleep(1.0)  # every object is acknowledged more than 1 s before the kill
@@ -383,6 +386,7 @@ def measure_recovery(
         new = serving_leader(endpoints, old)
         return RecoveryResult(
             objects=len(prober.keys),
+            puts_per_s=puts_per_s,
             seconds_standbys_warm=standbys_warm,
             seconds_to_new_leader=t_leader,
             seconds_to_first_read=first_read,
@@ -469,6 +473,7 @@ def run_scale(args: argparse.Namespace) -> int:
         "value_bytes": args.value_bytes,
         "leader_ttl_s": args.leader_ttl_s,
         "warm_standbys": not args.cold,
+        "puts_per_s": _median([r.puts_per_s for r in results]),
         "seconds_standbys_warm": _median([r.seconds_standbys_warm for r in results]),
         "seconds_to_new_leader": _median([r.seconds_to_new_leader for r in results]),
         "seconds_to_first_read": _median([r.seconds_to_first_read for r in results]),
@@ -484,6 +489,7 @@ def run_scale(args: argparse.Namespace) -> int:
     else:
         print(f"{args.objects} objects of {args.value_bytes} B, leader TTL {args.leader_ttl_s:.1f} s, medians:")
         for name in (
+            "puts_per_s",
             "seconds_standbys_warm",
             "seconds_to_new_leader",
             "seconds_to_first_read",
