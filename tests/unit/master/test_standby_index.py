@@ -141,3 +141,23 @@ def test_a_mount_of_a_segment_the_feed_never_saw_is_a_plain_mount() -> None:
     assert s.c.present(["a"]) == ["a"]
     assert status_of(s.c, 3) == SegmentStatus.OK
     assert [r.code for r in s.c.start("new")] == [OK]
+
+
+def test_garbage_in_the_feed_is_rejected_never_raised() -> None:
+    s = Standby()
+    epoch = s.sync(1, [item("a", 0)])
+    garbage = [
+        (InventoryItem("", 1024, 10, 1), False),
+        (InventoryItem("beyond", MiB - 64, 1000, 1), False),
+        (InventoryItem("unaligned", 1025, 10, 1), False),
+        (InventoryItem("zero", 2048, 0, 1), False),
+        (InventoryItem("overlap", 512, 1000, 1), False),  # inside "a"'s block
+        (InventoryItem("ssd", 4096, 10, 1, tier=1), False),
+        (InventoryItem("\ud800", 4096, 10, 1), True),
+        (InventoryItem("a", 2**70, 10, 1), True),
+    ]
+    result = s.index.delta("store1", 1, epoch, garbage)
+    assert (result.code, result.adopted, result.rejected) == (OK, 0, 6)
+    assert s.c.present(["a"]) == ["a"]
+    assert s.index.sync(s.c.spec(2, 0), []).code == E.INVALID_ARGUMENT
+    s.c.check()
