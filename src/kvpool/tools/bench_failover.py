@@ -258,6 +258,12 @@ class RecoveryResult:
     new_leader: str
 
 
+FULL_INDEX_FRACTION = 0.999
+"""A sample this readable counts as the full index: a few objects per million can be lost by any failover
+(decision 0070's known limit), and a whole sample of 1,000 would then miss one of them in a third of the
+probes."""
+
+
 def _value_of(key: str, size: int) -> bytes:
     """The bytes written under ``key``: derived from it, so that nothing per object is kept to check it."""
     block = hashlib.blake2b(key.encode(), digest_size=64).digest()
@@ -353,11 +359,13 @@ def measure_recovery(
     timeout: float = 120.0,
     warm_timeout: float = 300.0,
     warm: bool = True,
+    full_fraction: float = FULL_INDEX_FRACTION,
 ) -> RecoveryResult:
     """Write ``objects``, SIGKILL the leader, then probe random samples until all of a sample reads back.
 
     ``recovered_fraction`` is the fraction of the first probe that read anything after the new leader
-    served; ``seconds_to_full_index`` is when a whole sample first read back right (nan: never). The new
+    served; ``seconds_to_full_index`` is when a sample first read back right to ``full_fraction`` (nan:
+    never; one miss in 1,000 is allowed, see FULL_INDEX_FRACTION). The new
     leader serves from the first of: a master's GetStats says "leader", or a probe reads right."""
     endpoints = [m.address for m in cluster.masters]
     old = wait_for_leader(endpoints, timeout)
@@ -386,7 +394,7 @@ def measure_recovery(
             over_time.append([round(probe_start, 3), round(fraction, 4)])
             if fraction > 0 and first_read != first_read:
                 first_read, recovered = probe_start, fraction
-            if fraction >= 1.0:
+            if fraction >= full_fraction:
                 full = probe_start
                 break
             time.sleep(0.1)
@@ -491,6 +499,7 @@ def run_scale(args: argparse.Namespace) -> int:
         "first_read_after_new_leader_s": _median([r.seconds_to_first_read - r.seconds_to_new_leader for r in results]),
         "recovered_fraction": _median([r.recovered_fraction for r in results]),
         "seconds_to_full_index": _median([r.seconds_to_full_index for r in results]),
+        "full_index_fraction": FULL_INDEX_FRACTION,
         "recovered_over_time": _median_curve([r.recovered_over_time for r in results]),
         "wrong_reads": sum(r.wrong_reads for r in results),
         "runs": [asdict(r) for r in results],
