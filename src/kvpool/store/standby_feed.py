@@ -187,13 +187,17 @@ class StandbyFeed:
             log.info("standby feed: %s synced with %d objects", standby.endpoint, len(request.inventory))
 
     def _send_changes(self, standby: _Standby) -> None:
+        first = True
         while not self._stop.is_set():
             changes = self._changes_from(standby.position)
             if changes is None:
                 standby.epoch = ""  # too far behind: sync again next round
                 return
-            if not changes:
+            if not changes and not first:
                 return
+            # Even with no change, one (empty) delta per round: it keeps this store alive in the standby's
+            # view, so that a new leader does not expire it at once for lack of news.
+            first = False
             request = pb.StandbyDeltaRequest(
                 store_id=self._store_id,
                 segment_id=self._segment_id,
