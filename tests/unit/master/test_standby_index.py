@@ -161,3 +161,17 @@ def test_garbage_in_the_feed_is_rejected_never_raised() -> None:
     assert s.c.present(["a"]) == ["a"]
     assert s.index.sync(s.c.spec(2, 0), []).code == E.INVALID_ARGUMENT
     s.c.check()
+
+
+def test_deltas_keep_a_quiet_store_alive_for_the_next_leader() -> None:
+    # A store with nothing new still sends an empty delta each round: once elected, the standby must not
+    # expire it (and drop its warm objects) for lack of news; a store that did fall silent does expire.
+    s = Standby()
+    epoch = s.sync(1, [item("a", 0)])
+    s.sync(2, [item("b", 0)])
+    ttl = s.c.config.store_ttl_s
+    s.c.advance(ttl + 1)
+    assert s.delta(1, epoch) == OK  # store 1 is quiet but alive; store 2 said nothing
+    s.follower = False
+    assert s.c.state.expire_stores() == ["store2"]
+    assert s.c.present(["a", "b"]) == ["a"]
