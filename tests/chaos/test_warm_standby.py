@@ -131,3 +131,40 @@ def test_deltas_follow_removals_and_new_puts(ha_cluster: LocalCluster) -> None:
         assert (checked, good, wrong) == (120, 120, 0)
     finally:
         workload.close()
+
+
+def test_a_quiet_store_stays_warm_across_the_failover(make_cluster: Callable[..., LocalCluster]) -> None:
+    # Nothing is written for longer than the store TTL before the kill: the feed's empty deltas must keep
+    # the store alive in the standbys' view, or the new leader expires it (and its warm objects) at once.
+    if etcd_binary() is None and not os.environ.get("CI"):
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    store_ttl_s = 6.0
+    cluster = make_cluster(
+        stores=1, store_size="32MiB", ha=True, master_args=("--leader-ttl-s", "1", "--store-ttl-s", str(store_ttl_s))
+    )
+    endpoints = [m.address for m in cluster.masters]
+    old = wait_for_leader(endpoints, 30.0)
+    standbys = [e for e in endpoints if e != old]
+    workload = Workload(cluster.master, 2 << 10, cluster.cluster)
+    try:
+        assert workload.write_until(100, "quiet", 30.0) == 100
+        keys = sorted(workload.acked)
+        _wait_for(lambda: all(_stats(e).objects == 100 for e in standbys), 20.0, "warm standbys")
+        time.sleep(store_ttl_s + 1.0)  # the scenario itself: a quiet pool, longer than the store TTL
+        [store] = cluster.stores
+        cluster.signal(store, signal.SIGSTOP)  # it cannot re-mount: only the feed kept it known
+        try:
+            cluster.kill(next(m for m in cluster.masters if m.address == old))
+            new = wait_for_leader(standbys, 20.0)
+            assert new
+            serving = time.monotonic()
+            # Store expiry runs at least once a second on a serving leader: give it the chance to act.
+            _wait_for(lambda: time.monotonic() - serving >= 1.5, 5.0, "a maintenance pass")
+            assert _stats(new).objects == 100
+            assert _exists(new, keys) == [True] * 100
+        finally:
+            cluster.signal(store, signal.SIGCONT)
+        checked, good, wrong = workload.verify_until(time.monotonic(), 1.0, 20.0)
+        assert (checked, good, wrong) == (100, 100, 0)
+    finally:
+        workload.close()
