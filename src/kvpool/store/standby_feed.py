@@ -171,6 +171,9 @@ class StandbyFeed:
         except grpc.RpcError as exc:
             log.debug("standby feed to %s: %s", standby.endpoint, exc.code().name)
             standby.epoch = ""
+        except Exception:  # a bug must not end the feed for every standby: this one syncs again
+            log.exception("standby feed to %s failed", standby.endpoint)
+            standby.epoch = ""
 
     def _sync(self, standby: _Standby) -> None:
         # A cheap question first: an empty delta for no epoch is answered NEED_REMOUNT only by a follower,
