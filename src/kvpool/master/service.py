@@ -35,6 +35,8 @@ from kvpool.master.drain_service import DrainRpc
 from kvpool.master.idle_poll import IdlePoller
 from kvpool.master.limits import max_request_payload
 from kvpool.master.request_metrics import RequestMetrics
+from kvpool.master.standby import StandbyIndex
+from kvpool.master.standby_rpc import StandbyRpc
 from kvpool.master.state import MasterState
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -47,6 +49,8 @@ _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 # Methods a newly elected leader accepts during its warm-up: stores re-mount and rebuild the index
 # before the first data call is served.
 _MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
+# The stores' inventory feed to warm standbys (master/standby.py): it decides itself whom it accepts.
+_STANDBY_FEED = frozenset({"StandbySync", "StandbyDelta"})
 # Most payload a framed connection may send before its HELLOs are accepted (the handshake's fit in it).
 _MAX_PREAUTH_PAYLOAD = 4096
 
@@ -98,7 +102,7 @@ class Role:
         return self.elector is None or (self.elector.is_leader and self.elector.lease_valid_for() > 0)
 
     def accepts(self, method: str) -> bool:
-        if method in _ALWAYS_SERVED or self.serving:
+        if method in _ALWAYS_SERVED or method in _STANDBY_FEED or self.serving:
             return True
         return (
             method in _MEMBERSHIP
@@ -184,6 +188,9 @@ class MasterHandlers:
         self._methods.update(DrainRpc(self.drains, self.status).methods())
         self.prober = StoreProber(config.store_probe_timeout_s)
         self.registry.register(self.prober)
+        # Warm standby (decision 0070): follow the stores' inventories while this master is a follower.
+        self.standby = StandbyIndex(state, lambda: self.role.name == "follower")
+        self._methods.update(StandbyRpc(self.standby, self.status).methods())
 
     def status(self, code: ErrorCode = ErrorCode.OK, message: str = "") -> pb.Status:
         """The status of an answer. Callers only pass it to a response's constructor (which copies it),
@@ -257,7 +264,8 @@ class MasterHandlers:
     # --- membership ------------------------------------------------------------------------------
 
     def MountSegment(self, req: pb.MountSegmentRequest) -> pb.MountSegmentResponse:  # noqa: N802
-        result = self.state.mount_segment(
+        # Through the standby index: a segment known from the feed is reconciled (decision 0070).
+        result = self.standby.mount(
             convert.segment_spec(req.segment, req.secret), convert.inventory(req.inventory), req.remount
         )
         log.info(
@@ -281,6 +289,8 @@ class MasterHandlers:
         return pb.UnmountSegmentResponse(status=self.status(code), objects_dropped=dropped)
 
     def Heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:  # noqa: N802
+        if self.standby.needs_remount(req.store_id):  # known from the standby feed only: reconcile first
+            return pb.HeartbeatResponse(status=self.status(ErrorCode.NEED_REMOUNT))
         result = self.state.heartbeat(req.store_id, list(req.segment_ids), req.freed_ack)
         freed = [pb.FreedRange(segment_id=s, offset=o, seq=q) for s, o, q in result.freed]
         return pb.HeartbeatResponse(
@@ -688,6 +698,7 @@ class MasterServer:
         self.handlers.collector.state = self.state
         self._maintenance.state = self.state
         self.handlers.drains.reset(self.state)  # drain jobs are reloaded from etcd by the next leadership
+        self.handlers.standby.reset(self.state)
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         s = self.state.stats()

@@ -613,3 +613,29 @@ class ReportStoreFailuresResponse(_message.Message):
     status: Status
     suspected: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., suspected: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StandbyDeltaRequest(_message.Message):
+    __slots__ = ("store_id", "segment_id", "epoch", "changes", "removed")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    segment_id: int
+    epoch: str
+    changes: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
+    removed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, store_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., epoch: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., removed: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class StandbyFeedResponse(_message.Message):
+    __slots__ = ("status", "epoch", "adopted", "rejected")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    epoch: str
+    adopted: int
+    rejected: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., epoch: _Optional[str] = ..., adopted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...

@@ -149,6 +149,16 @@ class MasterServiceStub:
                 request_serializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.FromString,
                 _registered_method=True)
+        self.StandbySync = channel.unary_unary(
+                '/kvpool.v1.MasterService/StandbySync',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.MountSegmentRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.FromString,
+                _registered_method=True)
+        self.StandbyDelta = channel.unary_unary(
+                '/kvpool.v1.MasterService/StandbyDelta',
+                request_serializer=kvpool_dot_proto_dot_master__pb2.StandbyDeltaRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServiceServicer:
@@ -292,6 +302,19 @@ class MasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StandbySync(self, request, context):
+        """Warm standbys (docs/decisions/0070-warm-standbys.md): a store feeds each standby master its inventory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StandbyDelta(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -409,6 +432,16 @@ def add_MasterServiceServicer_to_server(servicer, server):
                     servicer.ReportStoreFailures,
                     request_deserializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.SerializeToString,
+            ),
+            'StandbySync': grpc.unary_unary_rpc_method_handler(
+                    servicer.StandbySync,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.MountSegmentRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.SerializeToString,
+            ),
+            'StandbyDelta': grpc.unary_unary_rpc_method_handler(
+                    servicer.StandbyDelta,
+                    request_deserializer=kvpool_dot_proto_dot_master__pb2.StandbyDeltaRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1032,6 +1065,60 @@ class MasterService:
             '/kvpool.v1.MasterService/ReportStoreFailures',
             kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresRequest.SerializeToString,
             kvpool_dot_proto_dot_master__pb2.ReportStoreFailuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StandbySync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/StandbySync',
+            kvpool_dot_proto_dot_master__pb2.MountSegmentRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StandbyDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MasterService/StandbyDelta',
+            kvpool_dot_proto_dot_master__pb2.StandbyDeltaRequest.SerializeToString,
+            kvpool_dot_proto_dot_master__pb2.StandbyFeedResponse.FromString,
             options,
             channel_credentials,
             insecure,

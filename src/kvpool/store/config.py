@@ -33,6 +33,11 @@ class StoreConfig:
     ssd_dir: str = option("", "Directory of the SSD tier (empty = no SSD tier).")
     ssd_size: int = option(0, "Bytes of the SSD tier.", parse=parse_size)
     heartbeat_interval_s: float = option(1.0, "Heartbeat period to the master.", parse=parse_duration)
+    standby_feed_interval_s: float = option(
+        0.5,
+        "Period of the inventory feed to warm standby masters (etcd:// masters only; 0 = off; decision 0070).",
+        parse=parse_duration,
+    )
     max_connections: int = option(1024, "Most concurrent data-plane connections.")
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
     tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")

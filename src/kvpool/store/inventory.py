@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
@@ -170,6 +170,9 @@ class Inventory:
         # (segment_id, offset) -> claim, least recently touched first: expiry is a pop from the front
         self._partials: OrderedDict[tuple[int, int], _Claim] = OrderedDict()
         self._committed = 0
+        self.listener: Callable[[InventoryEntry, bool], None] | None = None
+        """Told of every entry committed (False) or forgotten (True), in order, under the lock; must be
+        quick (the warm-standby feed appends to its journal: store/standby_feed.py)."""
 
     # ------------------------------------------------------------------ writes
     def begin_write(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int) -> None:
@@ -229,6 +232,8 @@ class Inventory:
         del self._partials[(segment_id, claim.offset)]
         self._segments[segment_id].committed += 1
         self._committed += 1
+        if self.listener is not None:
+            self.listener(claim.entry, False)
 
     def _forget(self, segment_id: int, claims: _SegmentClaims, claim: _Claim) -> None:
         claims.remove(claim)
@@ -236,6 +241,8 @@ class Inventory:
             self._partials.pop((segment_id, claim.offset), None)
         else:
             self._committed -= 1
+            if self.listener is not None:
+                self.listener(claim.entry, True)
 
     def _expire_partials(self) -> None:
         horizon = self._clock.monotonic() - self._partial_timeout_s

@@ -37,6 +37,7 @@ from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits
 from kvpool.store.mover import Mover
 from kvpool.store.segment import ShmSegment
+from kvpool.store.standby_feed import StandbyFeed
 from kvpool.store.tiering import StoreTier
 from kvpool.transfer.factory import make_responder
 from kvpool.transfer.rdma_responder import RdmaResponder
@@ -181,6 +182,7 @@ class StoreServer:
         self._mounted = False
         self._mount_backoff = _MountBackoff()
         self._mover_transport: TcpTransport | None = None
+        self._standby_feed: StandbyFeed | None = None
         self._stop = threading.Event()
         self._metrics: MetricsServer | None = None
         self.registry = CollectorRegistry()
@@ -272,18 +274,22 @@ class StoreServer:
             numa_node=self.config.numa_node,
         )
 
+    def _mount_request(self, remount: bool) -> pb.MountSegmentRequest:
+        assert self.segment is not None
+        entries = [
+            pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
+            for e in self.inventory.entries(self.segment.id)
+        ]
+        return pb.MountSegmentRequest(
+            segment=self._segment_info(), secret=self._secret, inventory=entries, remount=remount
+        )
+
     def mount(self, remount: bool) -> bool:
         """Mount (or re-mount with the inventory); False when the master is unreachable."""
         assert self.segment is not None
         if self.mover is not None:
             self.mover.fence()  # before the inventory snapshot: a copy planned by the old master is not kept
-        entries = [
-            pb.InventoryEntry(key=_text(e.key), offset=e.offset, length=e.length, checksum=e.checksum)
-            for e in self.inventory.entries(self.segment.id)
-        ]
-        request = pb.MountSegmentRequest(
-            segment=self._segment_info(), secret=self._secret, inventory=entries, remount=remount
-        )
+        request = self._mount_request(remount)
         try:
             response = self._link.call("RemountSegment" if remount else "MountSegment", request, timeout=30.0)
         except KvPoolError as exc:
@@ -354,14 +360,35 @@ class StoreServer:
                 transport=self._mover_transport,
             )
             self.mover.start()
+        self._start_standby_feed()
         while not self._stop.wait(self.config.heartbeat_interval_s):
             self.heartbeat()
         self.shutdown()
+
+    def _start_standby_feed(self) -> None:
+        """Warm standbys (decision 0070): with an etcd:// master, feed the standby masters our inventory."""
+        cfg = self.config
+        if self.segment is None or cfg.standby_feed_interval_s <= 0 or not cfg.master.startswith("etcd://"):
+            return
+        self._standby_feed = StandbyFeed(
+            cfg.master,
+            cfg.cluster,
+            self.inventory,
+            self.store_id,
+            self.segment.id,
+            lambda: self._mount_request(remount=True),
+            token_file=cfg.token_file,
+            tls_ca=cfg.tls_ca,
+            interval_s=cfg.standby_feed_interval_s,
+        )
+        self._standby_feed.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def shutdown(self, unmount: bool = True) -> None:
+        if self._standby_feed is not None:
+            self._standby_feed.stop()
         if self.mover is not None:
             self.mover.stop()  # before the segment is unmapped: no copy is writing into it any more
         if self._mover_transport is not None:
