@@ -136,7 +136,9 @@ def _report(master: MasterClient, client_id: str, endpoint: str) -> list[str]:
 def test_false_reports_and_a_heartbeat(make_cluster: Callable[..., LocalCluster]) -> None:
     """A lone false report is refuted by the master's probe; two clients agreeing suspect even a healthy
     store, and its next heartbeat lifts that at once."""
-    cluster = make_cluster(stores=2, store_size="32MiB", master_args=("--store-ttl-s", str(STORE_TTL_S)))
+    cluster = make_cluster(
+        stores=2, store_size="32MiB", master_args=("--store-ttl-s", str(STORE_TTL_S), "--store-report-agreement", "2")
+    )
     client = PoolClient(config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=5.0))
     master = MasterClient(cluster.master)
     metrics = cluster.masters[0].endpoints["metrics"]

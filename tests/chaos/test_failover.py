@@ -43,13 +43,6 @@ def test_leader_sigkill_under_load(ha_cluster: LocalCluster) -> None:
     assert result.seconds_to_new_leader < 4.0, "test-sized failover must serve within 4 s"
     assert result.seconds_to_first_read < 4.0
     assert result.recovered_fraction >= 0.99
-    # Recovery over time: sampled from the new leader on, until every sampled object reads back.
-    times = [t for t, _ in result.recovered_over_time]
-    assert times == sorted(times)
-    assert times[0] >= result.seconds_to_new_leader
-    assert all(0.0 <= f <= 1.0 for _, f in result.recovered_over_time)
-    assert result.recovered_over_time[-1][1] == 1.0
-    assert result.seconds_to_full_index == pytest.approx(times[-1], abs=1e-3)
 
 
 def test_all_masters_killed_and_restarted(ha_cluster: LocalCluster) -> None:

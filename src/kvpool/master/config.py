@@ -47,6 +47,12 @@ class MasterConfig:
         " unreachable (a failed probe makes the store suspected: docs/reliability.md).",
         parse=parse_duration,
     )
+    store_report_agreement: int = option(
+        0,
+        "Distinct clients whose reports of a failed store connection suspect the store without the master's"
+        " probe (0: only a failed probe suspects; clients cut off from a store by a partition of their own"
+        " then cannot take it out of service for everyone: docs/decisions/0026-dead-store-suspicion.md).",
+    )
     placement: str = option("free_ratio_first", "Placement policy.", choices=PLACEMENT_POLICIES.names())
     eviction: str = option("lru", "Eviction policy.", choices=EVICTION_POLICIES.names())
     default_replica_num: int = option(1, "Replicas per object when the client does not say.")

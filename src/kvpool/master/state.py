@@ -194,7 +194,7 @@ class MasterState:
         # Ranges of revoked puts, held until their WRITE grants are surely dead (master/quarantine.py).
         self._quarantine = RangeQuarantine()
         # Dead-store suspicion (master/suspicion.py): its rules; the service probes the stores.
-        self._suspicion = StoreSuspicion()
+        self._suspicion = StoreSuspicion(agreement=config.store_report_agreement)
         # SSD tier (master/tiering.py): inert until a store mounts a tier=1 segment.
         self.tiers = TierManager(
             config, clock, self._shards, self._stripes, self._table, self._free_ranges, self._quarantine.hold

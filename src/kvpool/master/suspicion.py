@@ -4,7 +4,8 @@ A store that dies is noticed by the clients long before its heartbeat TTL runs o
 connections fail. A client reports such a failure (ReportStoreFailures); the master then suspects the
 store - it stops placing on it and answers lookups of objects readable only there as misses - when
 
-* reports of at least ``agreement`` (2) distinct clients arrive within ``report_window_s``, or
+* reports of at least ``agreement`` distinct clients arrive within ``report_window_s`` (when the master's
+  ``store_report_agreement`` is set; 0, its default, leaves only the probe), or
 * its own probe of the store's data-plane port fails (a probe is asked for by a lone report; a
   successful probe clears the reports, so one client cannot take a healthy store out of service).
 
@@ -61,7 +62,7 @@ class StoreSuspicion:
             if now - at > self.report_window_s:
                 del reports[client]
         reports[client_id] = now
-        if len(reports) >= self.agreement:
+        if self.agreement and len(reports) >= self.agreement:
             self._suspect(store_id, now)
             return Verdict.SUSPECTED
         last = self._last_probe.get(store_id)

@@ -78,7 +78,7 @@ def test_a_heartbeat_after_the_suspicion_began_lifts_it() -> None:
 # ---------------------------------------------------------------------- applied by MasterState
 def _cluster() -> Cluster:
     """Two stores of one segment each; objects a1.. on segment 1 (store1), b1.. on segment 2 (store2)."""
-    c = Cluster(segments={1: MiB, 2: MiB})
+    c = Cluster(segments={1: MiB, 2: MiB}, store_report_agreement=2)
     for prefix, segment in (("a", 1), ("b", 2)):
         keys = [f"{prefix}{i}" for i in range(5)]
         assert c.put(*keys, preferred_segments=[segment]) == [OK] * 5
@@ -137,7 +137,7 @@ def test_a_heartbeat_after_the_suspicion_lifts_it_and_nothing_was_lost() -> None
 
 
 def test_an_object_with_a_replica_on_a_healthy_store_stays_readable() -> None:
-    c = Cluster(segments={1: MiB, 2: MiB})
+    c = Cluster(segments={1: MiB, 2: MiB}, store_report_agreement=2)
     assert c.put("both", replica_num=2) == [OK]
     c.state.report_store_failures("c1", [DEAD])
     c.state.report_store_failures("c2", [DEAD])
@@ -155,3 +155,15 @@ def test_a_remount_after_the_suspicion_lifts_it() -> None:
     assert c.state.suspected_stores() == []
     assert c.readable("a0") == [True]
     c.check()
+
+
+def test_by_default_only_a_failed_probe_suspects() -> None:
+    """Clients cut off from a healthy store by their own partition agree, yet it stays in service."""
+    c = Cluster(segments={1: MiB, 2: MiB})
+    assert c.put("a0", preferred_segments=[1]) == [OK]
+    assert c.state.report_store_failures("c1", [DEAD]).probe == [DEAD]
+    assert c.state.report_store_failures("c2", [DEAD]).suspected == []
+    assert c.state.suspected_stores() == []
+    assert c.get_codes("a0") == [OK]
+    assert c.state.store_probe_result(DEAD, reachable=False)
+    assert c.state.suspected_stores() == ["store1"]
