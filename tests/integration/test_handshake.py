@@ -79,8 +79,13 @@ class RecordingProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                sock.close()  # the other pump's recv then fails and it closes too
 
     def close(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             socks = list(self._socks)
