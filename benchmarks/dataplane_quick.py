@@ -83,6 +83,8 @@ class Store:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start_store(size: int = SEGMENT_BYTES, socket_buffer: int = SOCKET_BUFFER, spin_us: int = 0) -> Store:
