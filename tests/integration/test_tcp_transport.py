@@ -28,7 +28,7 @@ from kvpool.proto.frames import FLAG_FROM_PAGES, HEADER, HEADER_SIZE, MAGIC, Op
 from kvpool.store.dataplane import DataPlaneServer, _Close
 from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
-from kvpool.transfer import tcp
+from kvpool.transfer import tcp, tcp_lane
 from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.memcopy import page_aligned
 from kvpool.transfer.tcp import TcpTransport, parse_endpoint, spin_recv_into
@@ -258,7 +258,7 @@ def test_a_burst_of_reads_leaves_in_few_sends(
             for i, (off, v) in enumerate(zip(offsets, values, strict=True))
         ]
         assert t.transfer(puts, Deadline(10.0)) == [ErrorCode.OK] * 64
-        monkeypatch.setattr(tcp, "send_vectored", counting)
+        monkeypatch.setattr(tcp_lane, "send_vectored", counting)
         outs = [bytearray(n) for n in sizes]
         gets = [
             store.request(GrantOp.READ, b"k%d" % i, off, memoryview(o))
@@ -283,7 +283,7 @@ def frames_sent(monkeypatch: pytest.MonkeyPatch, store: Store) -> list[int]:
             ops.extend(HEADER.unpack_from(b)[1] for b in buffers if isinstance(b, bytes))
         real(sock, buffers, before)
 
-    monkeypatch.setattr(tcp, "send_vectored", recording)
+    monkeypatch.setattr(tcp_lane, "send_vectored", recording)
     return ops
 
 

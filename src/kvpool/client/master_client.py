@@ -27,7 +27,7 @@ from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
 from kvpool.proto import master_pb2_grpc as pb_grpc
-from kvpool.transfer.tcp import Spinner, set_io_timeout
+from kvpool.transfer.tcp_socket import Spinner, set_io_timeout
 
 log = get_logger(__name__)
 

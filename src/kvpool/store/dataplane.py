@@ -69,7 +69,7 @@ from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
 from kvpool.transfer.rdma_responder import RdmaResponder
 from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, windows_request_from_json
-from kvpool.transfer.tcp import (
+from kvpool.transfer.tcp_socket import (
     FrameReader,
     Spinner,
     send_all,

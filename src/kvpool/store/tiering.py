@@ -31,7 +31,7 @@ from kvpool.store.inventory import Inventory
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import DemoteItem, SsdTier
 from kvpool.store.task_loop import Link, Pull, TaskLoop
-from kvpool.transfer.tcp import sendfile_all
+from kvpool.transfer.tcp_socket import sendfile_all
 
 __all__ = ["StoreTier", "TierStats", "TierWorker", "serve_tier_read"]
 

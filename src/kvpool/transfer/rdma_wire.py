@@ -180,7 +180,7 @@ def exchange_rdma_connect(
 
 def open_control(endpoint: str, *, token: bytes = b"", timeout: float = 2.0) -> socket.socket:
     """A framed connection to a store's data-plane port, past the cluster-token handshake (:func:`hello`)."""
-    from kvpool.transfer.tcp import parse_endpoint
+    from kvpool.transfer.tcp_socket import parse_endpoint
 
     try:
         sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout)
