@@ -23,7 +23,8 @@ VLLM=0.33.0
 LMCACHE=0.5.6
 VLLM_IMPORT_DEPS=(psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 aiohttp==3.14.5 openai-harmony==0.0.8 openai==3.57.0
   pillow==13.0.0 pybase64==1.5.1 cachetools==8.0.2 msgspec==0.23.0 cloudpickle==3.1.3 py-cpuinfo==9.0.0
-  xgrammar==0.2.9 fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1)
+  xgrammar==0.2.9 fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1 urllib3==2.8.0
+  requests==2.34.2)
 LMCACHE_IMPORT_DEPS=(numba==0.68.1 aiofile==3.12.3 cryptography==50.0.2)
 # sglang's KV-event classes (tests/conformance/test_sglang_kv_events.py) import its utils, which need orjson
 SGLANG_EVENTS_DEPS=(orjson==3.13.0)
@@ -59,7 +60,7 @@ have transformers "$TRANSFORMERS" || pip_install "transformers==$TRANSFORMERS"
 have vllm "$VLLM" || pip_install --no-deps "vllm==$VLLM"
 have lmcache "$LMCACHE" || pip_install --no-deps "lmcache==$LMCACHE"
 # torch and transformers are named again so that the resolver keeps the pinned CPU builds.
-"$PY" -c "import psutil, zmq, cbor2, openai_harmony, xgrammar, llguidance, numba, aiofile, orjson" 2>/dev/null \
+"$PY" -c "import psutil, zmq, cbor2, openai_harmony, xgrammar, llguidance, numba, aiofile, orjson, urllib3, requests" 2>/dev/null \
   || pip_install "torch==$TORCH" "transformers==$TRANSFORMERS" "${VLLM_IMPORT_DEPS[@]}" "${LMCACHE_IMPORT_DEPS[@]}" "${SGLANG_EVENTS_DEPS[@]}"
 # numpy: torch warns without it and .numpy() needs it (kvpool depends on it anyway).
 "$PY" -c "import numpy" 2>/dev/null || pip_install numpy
