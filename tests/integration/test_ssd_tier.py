@@ -242,7 +242,9 @@ def test_a_put_held_back_by_a_slow_disk_fails_at_its_deadline_and_drops_nothing(
             started = time.monotonic()
             codes = pool.batch_put(part, [values[k] for k in part], timeout=0.5)
             elapsed = time.monotonic() - started
-            assert set(codes) <= {0, ErrorCode.DEMOTION_BACKLOG}
+            # Held back to its deadline: DEMOTION_BACKLOG, or TIMEOUT when the deadline cut a master call short
+            # (a loaded CI machine); never a drop or another failure.
+            assert set(codes) <= {0, ErrorCode.DEMOTION_BACKLOG, ErrorCode.TIMEOUT}
             accepted += [k for k, c in zip(part, codes, strict=True) if c == 0]
             refused = [k for k, c in zip(part, codes, strict=True) if c != 0]
             if refused:
