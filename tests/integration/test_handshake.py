@@ -24,6 +24,7 @@ from kvpool.proto import frames
 from kvpool.tools.local_cluster import LocalCluster
 from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.tcp import TcpTransport
+from tests.support.handshake import closed_by_peer, hello_exchange
 
 pytestmark = pytest.mark.integration
 
@@ -135,25 +136,6 @@ def proxied(make_cluster: Callable[..., LocalCluster], token_file: Path) -> Iter
             proxy.close()
 
 
-def _hello(sock: socket.socket, sent: list[bytes] | None = None) -> Callable[[bytes], tuple[int, bytes]]:
-    def exchange(payload: bytes) -> tuple[int, bytes]:
-        if sent is not None:
-            sent.append(payload)
-        sock.sendall(frames.pack_header(frames.Op.HELLO, 1, len(payload)) + payload)
-        head = frames.recv_header(sock)
-        return head.status, bytes(frames.recv_exact(sock, head.length))
-
-    return exchange
-
-
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(5)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 @pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
 def test_no_token_crosses_the_framed_port_or_the_data_plane(
     proxied: dict[str, RecordingProxy], token_file: Path, use_shm: bool
@@ -180,28 +162,28 @@ def test_a_replayed_handshake_is_refused(proxied: dict[str, RecordingProxy]) -> 
         address = (PROXY_HOST, proxied[plane].port)
         recorded: list[bytes] = []
         with socket.create_connection(address, timeout=5) as sock:
-            client_handshake(TOKEN, _hello(sock, recorded), plane)  # a real session, recorded
+            client_handshake(TOKEN, hello_exchange(sock, recorded), plane)  # a real session, recorded
         with socket.create_connection(address, timeout=5) as sock:
-            replay = _hello(sock)
+            replay = hello_exchange(sock)
             status, challenge = replay(recorded[0])
             assert status == 0
             assert len(challenge) == 64
             status, _ = replay(recorded[1])
             assert status == ErrorCode.AUTH_FAILED, plane
-            assert _closed(sock)
+            assert closed_by_peer(sock)
 
 
 def test_a_wrong_token_is_refused(proxied: dict[str, RecordingProxy]) -> None:
     for plane in ("rpc", "data"):
         with socket.create_connection((PROXY_HOST, proxied[plane].port), timeout=5) as sock:
             with pytest.raises(KvPoolError) as info:
-                client_handshake(b"a-wrong-token", _hello(sock), plane)
+                client_handshake(b"a-wrong-token", hello_exchange(sock), plane)
             assert info.value.code == ErrorCode.AUTH_FAILED  # the server's proof does not verify
         with socket.create_connection((PROXY_HOST, proxied[plane].port), timeout=5) as sock:
-            exchange = _hello(sock)
+            exchange = hello_exchange(sock)
             assert exchange(HANDSHAKE_TAG + b"\x01" + bytes(32))[0] == 0
             assert exchange(HANDSHAKE_TAG + b"\x02" + bytes(32))[0] == ErrorCode.AUTH_FAILED
-            assert _closed(sock)
+            assert closed_by_peer(sock)
 
 
 class Impostor:

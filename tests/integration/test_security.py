@@ -31,6 +31,7 @@ from kvpool.store.segment import ShmSegment
 from kvpool.tools.local_cluster import LocalCluster
 from kvpool.transfer.registry import TransportSet
 from kvpool.transfer.tcp import TcpTransport
+from tests.support.handshake import closed_by_peer, hello_exchange
 
 pytestmark = pytest.mark.integration
 
@@ -68,25 +69,6 @@ def _roundtrip(sock: socket.socket, op: int, payload: bytes = b"", req_id: int =
     head = frames.recv_header(sock)
     frames.recv_exact(sock, head.length)
     return head
-
-
-def _hello(sock: socket.socket) -> Callable[[bytes], tuple[int, bytes]]:
-    """One HELLO of the challenge-response on a raw socket (what client_handshake moves)."""
-
-    def exchange(payload: bytes) -> tuple[int, bytes]:
-        sock.sendall(frames.pack_header(frames.Op.HELLO, 1, len(payload)) + payload)
-        head = frames.recv_header(sock)
-        return head.status, bytes(frames.recv_exact(sock, head.length))
-
-    return exchange
-
-
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(5)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def _endpoint(address: str) -> tuple[str, int]:
@@ -140,29 +122,29 @@ def test_the_framed_hot_path_requires_hello(secured: LocalCluster, token_file: P
     request = pb.BatchExistsRequest(keys=["k"]).SerializeToString()
     with socket.create_connection(rpc, timeout=5) as sock:  # no HELLO
         assert _roundtrip(sock, frames.Op.BATCH_EXISTS, request).status == ErrorCode.AUTH_FAILED
-        assert _closed(sock)
+        assert closed_by_peer(sock)
     with socket.create_connection(rpc, timeout=5) as sock:  # the token in clear (before decision 0025)
         assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == ErrorCode.AUTH_VERSION_MISMATCH
-        assert _closed(sock)
+        assert closed_by_peer(sock)
     with socket.create_connection(rpc, timeout=5) as sock:  # the right one
-        client_handshake(TOKEN, _hello(sock), "master")
+        client_handshake(TOKEN, hello_exchange(sock), "master")
         assert _roundtrip(sock, frames.Op.BATCH_EXISTS, request, 2).status == 0
     assert _metric(metrics, "kvpool_master_auth_refused_total", 'plane="rpc"') == before + 2
 
 
-def test_the_data_plane_requires_hello(secured: LocalCluster, token_file: Path) -> None:
+def test_the_data_plane_requireshello_exchange(secured: LocalCluster, token_file: Path) -> None:
     store = secured.stores[0]
     metrics = store.endpoints["metrics"]
     before = _metric(metrics, "kvpool_store_auth_refused_total", 'plane="data"')
     with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # no HELLO
         head = _roundtrip(sock, frames.Op.PING)
         assert (head.op, head.status) == (frames.Op.HELLO, ErrorCode.AUTH_FAILED)
-        assert _closed(sock)
+        assert closed_by_peer(sock)
     with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # the token in clear
         assert _roundtrip(sock, frames.Op.HELLO, TOKEN).status == ErrorCode.AUTH_VERSION_MISMATCH
-        assert _closed(sock)
+        assert closed_by_peer(sock)
     with socket.create_connection(_endpoint(store.address), timeout=5) as sock:  # the right one
-        client_handshake(TOKEN, _hello(sock), "store")
+        client_handshake(TOKEN, hello_exchange(sock), "store")
         assert _roundtrip(sock, frames.Op.PING, b"", 2).status == 0
     # A client holding master grants but no token for the data plane: AUTH_FAILED per key, not a hang.
     tokenless = TransportSet([TcpTransport(connections_per_endpoint=1)])
