@@ -13,6 +13,11 @@ Structure (mechanism here, policy elsewhere):
 * ``PlacementPolicy`` (placement.py) orders candidate segments; ``EvictionPolicy`` (eviction.py) orders
   victims. Both are pure and called outside every lock.
 
+What this module holds: puts, reads, removal and pins. The other jobs of the state live next to it:
+membership and suspicion (membership.py, a mixin), the evictor (evictor.py, an object this class holds and
+delegates to), stats and invariants (reports.py, a mixin), and unlinking objects, freeing their ranges and
+reclaiming abandoned puts (freeing.py, a mixin).
+
 Semantics follow Mooncake Store's master with the differences docs/architecture.md (Master) states:
 two-phase put (PROCESSING replicas are invisible), read leases block eviction and removal, approximate LRU
 eviction above a watermark or on allocation failure, hard and soft pins, store heartbeats with expiry, and
@@ -24,11 +29,9 @@ list lengths give INVALID_ARGUMENT and more than ``max_batch`` keys give BATCH_T
 
 from __future__ import annotations
 
-import math
 import random
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 import xxhash
@@ -38,7 +41,10 @@ from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
-from kvpool.master.eviction import Candidate, EvictionPolicy, make_eviction
+from kvpool.master.eviction import EvictionPolicy, make_eviction
+from kvpool.master.evictor import Evictor
+from kvpool.master.freeing import RECLAIM_GRACE_S, FreeingMixin, Range
+from kvpool.master.membership import HEARTBEAT_FREED_LIMIT, MembershipMixin, _encode_key
 from kvpool.master.objects import (
     COMPLETE,
     HARD_PIN,
@@ -46,13 +52,13 @@ from kvpool.master.objects import (
     PRIMARY_COMPLETE,
     SEGMENT_SHIFT,
     ObjectMeta,
-    ReplicaStatus,
 )
 from kvpool.master.placement import PlacementPolicy, make_placement
 from kvpool.master.quarantine import RangeQuarantine
-from kvpool.master.segments import Segment, SegmentInfo, SegmentStatus, SegmentTable, StoreEntry
-from kvpool.master.shards import Shard, ShardMap, StripedLocks, shard_index
-from kvpool.master.suspicion import StoreSuspicion, SuspicionReport, Verdict
+from kvpool.master.reports import ReportsMixin
+from kvpool.master.segments import SegmentStatus, SegmentTable
+from kvpool.master.shards import ShardMap, StripedLocks
+from kvpool.master.suspicion import StoreSuspicion
 from kvpool.master.tiering import TierManager
 from kvpool.master.types import (
     EvictionReport,
@@ -89,19 +95,11 @@ __all__ = [
 
 _log = get_logger(__name__)
 
-RECLAIM_GRACE_S = 5.0
-"""Extra wait before the periodic reclaim reuses an abandoned put's ranges: the writer's WRITE grant
-(expiry = put_start + put_timeout_s) has then surely expired on the store, even with some clock skew."""
-HEARTBEAT_FREED_LIMIT = 10_000
-"""Most free notifications one heartbeat reply carries."""
-MAX_EVICTION_ROUNDS = 4
-"""An eviction call samples again (from the next shards) while it has not freed enough, at most this often."""
 
 _U64 = 1 << 64
 _SEG_SHIFT = SEGMENT_SHIFT  # packed extra replica: segment_id << 57 | offset << 1 | complete
 _OFF_MASK = MAX_OFFSET
 _EVICTABLE_MASK = COMPLETE | HARD_PIN
-_READABLE_MASK = COMPLETE | PRIMARY_COMPLETE
 _SIZE_INTERN_LIMIT = 4096
 _NO_EXCLUDE: set[int] = set()  # shared, never mutated (policies must not mutate ``exclude``)
 
@@ -113,28 +111,6 @@ _READ = grants.GrantOp.READ
 _WRITE = grants.GrantOp.WRITE
 _DEFAULT_PUT = PutOptions()
 _by_offset = attrgetter("offset")
-
-Range = tuple[Segment, int]
-"""(segment, offset) of one allocated block."""
-
-
-def _encode_key(key: object, max_bytes: int) -> bytes | ErrorCode:
-    """The key's UTF-8 bytes, or INVALID_KEY (not a non-empty str, not encodable) / KEY_TOO_LONG."""
-    if type(key) is not str or not key:
-        return ErrorCode.INVALID_KEY
-    if len(key) > max_bytes:  # every char is >= 1 byte: too long without encoding a huge string
-        return ErrorCode.KEY_TOO_LONG
-    try:
-        encoded = key.encode()
-    except UnicodeEncodeError:  # lone surrogates
-        return ErrorCode.INVALID_KEY
-    if len(encoded) > max_bytes:
-        return ErrorCode.KEY_TOO_LONG
-    return encoded
-
-
-def _is_uint(value: object, limit: int = _U64) -> bool:
-    return type(value) is int and 0 <= value < limit
 
 
 class _PutContext:
@@ -161,7 +137,7 @@ class _PutContext:
         self.soft_pin_until = soft_pin_until
 
 
-class MasterState:
+class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
     """The master's metadata, allocation, leases, eviction and membership; see the module docstring."""
 
     def __init__(
@@ -181,8 +157,6 @@ class MasterState:
         self._stripes = StripedLocks()
         self._table = SegmentTable()
         self._membership = threading.Lock()
-        self._evict_lock = threading.Lock()
-        self._evict_cursor = self._rng.randrange(config.num_shards)
         self._stats_lock = threading.Lock()
         self._hits = 0
         self._misses = 0
@@ -199,6 +173,18 @@ class MasterState:
         self.tiers = TierManager(
             config, clock, self._shards, self._stripes, self._table, self._free_ranges, self._quarantine.hold
         )
+        # Eviction (master/evictor.py): needs_eviction and evict are delegated to it.
+        self._evictor = Evictor(
+            config,
+            clock,
+            self._shards,
+            self._table,
+            self.tiers,
+            self._eviction,
+            self._drop_if,
+            self._count_evicted,
+            self._rng,
+        )
         # Listener of objects that became readable / were dropped: (stored keys, removed keys). Called
         # outside the shard locks; it must not block (master/kv_events.py only enqueues).
         self.on_change: Callable[[Sequence[str], Sequence[str]], None] | None = None
@@ -206,191 +192,6 @@ class MasterState:
     @property
     def config(self) -> MasterConfig:
         return self._cfg
-
-    # =================================================================== membership
-
-    def mount_segment(
-        self, spec: SegmentSpec, inventory: Iterable[InventoryItem] = (), remount: bool = False
-    ) -> MountResult:
-        """Mount (or re-mount) a segment and adopt the store's inventory of committed objects.
-
-        * Unknown id: the segment is added; its inventory entries become COMPLETE replicas.
-        * Same id and store, same info and secret: idempotent; inventory entries the master lacks are
-          adopted, the ones it has count as adopted, everything else stays as it is.
-        * Same id and store but different size, endpoints or secret (the store restarted): the old segment
-          is dropped with its replicas and the new one mounted from its inventory (the store is the truth).
-        * Same id, another store: SEGMENT_ALREADY_EXISTS (the other store must expire or unmount first).
-
-        An entry is adopted if its key is valid, its range is aligned and inside the segment and can be
-        reserved, and an existing object of that key has the same size and checksum; otherwise it is counted
-        as rejected. Garbage never raises. ``remount`` is informational (the store served before).
-        """
-        if not self._valid_spec(spec):
-            return MountResult(ErrorCode.INVALID_ARGUMENT)
-        info = SegmentInfo(
-            spec.id,
-            spec.node,
-            spec.store_id,
-            spec.size,
-            spec.tcp_endpoint,
-            spec.shm_path,
-            bytes(spec.rdma_desc),
-            spec.numa_node,
-            spec.tier,
-        )
-        now = self._clock.monotonic()
-        with self._membership:
-            segment = self._table.get(spec.id)
-            if segment is not None:
-                if segment.store_id != spec.store_id:
-                    return MountResult(ErrorCode.SEGMENT_ALREADY_EXISTS)
-                if segment.info != info or segment.secret != spec.secret:
-                    _log.info("segment %d re-mounted with a new spec: replacing it", spec.id)
-                    self._drop_segments([segment])
-                    segment = None
-            store = self._table.ensure_store(spec.store_id, now, self._seq_base())
-            store.last_seen = now
-            if segment is None:
-                segment = self._table.add(info, bytes(spec.secret), store)
-                if segment.tier:
-                    self.tiers.attach(segment)
-            if self._suspicion.is_suspected(spec.store_id) and self._suspicion.heartbeat(spec.store_id, now):
-                self._mark_suspected(store, False)
-            adopted, rejected = self._adopt(segment, inventory, now)
-            # Allocatable only now: a put racing the adoption must not take a range the inventory claims.
-            self._table.publish()
-            self.tiers.refresh()
-        if rejected:
-            _log.warning("segment %d: adopted %d inventory entries, rejected %d", spec.id, adopted, rejected)
-        return MountResult(ErrorCode.OK, adopted, rejected)
-
-    def unmount_segment(self, segment_id: int, store_id: str = "") -> tuple[ErrorCode, int]:
-        """Drop a segment and all its replicas at once; objects left with no replica vanish.
-
-        Returns (code, objects that vanished). ``store_id`` must own the segment; "" = any (admin).
-        Unknown segment (or another store's) -> SEGMENT_NOT_FOUND.
-        """
-        with self._membership:
-            segment = self._table.get(segment_id)
-            if segment is None or (store_id and segment.store_id != store_id):
-                return ErrorCode.SEGMENT_NOT_FOUND, 0
-            dropped = self._drop_segments([segment])
-        return ErrorCode.OK, dropped
-
-    def set_segment_status(self, segment_ids: Sequence[int], status: int) -> list[ErrorCode]:
-        """Set OK / DRAINING (readable, no new allocations) / DRAINED (not readable) per segment."""
-        try:
-            new_status = SegmentStatus(status)
-        except ValueError:
-            return [ErrorCode.INVALID_ARGUMENT for _ in segment_ids]
-        codes: list[ErrorCode] = []
-        with self._membership:
-            for segment_id in segment_ids:
-                segment = self._table.get(segment_id)
-                if segment is None:
-                    codes.append(ErrorCode.SEGMENT_NOT_FOUND)
-                else:
-                    segment.set_status(new_status)
-                    codes.append(ErrorCode.OK)
-            self._table.publish()
-        return codes
-
-    def heartbeat(self, store_id: str, segment_ids: Sequence[int], freed_ack: int = 0) -> HeartbeatResult:
-        """Refresh a store's liveness and hand it the ranges freed since ``freed_ack``.
-
-        Unknown store, or a listed segment the master does not have for it -> NEED_REMOUNT (the store then
-        mounts all its segments again with its inventory).
-        """
-        store = self._table.store(store_id)
-        if store is None:
-            return HeartbeatResult(ErrorCode.NEED_REMOUNT)
-        by_id = self._table.by_id
-        for segment_id in segment_ids:
-            segment = by_id.get(segment_id)
-            if segment is None or segment.store_id != store_id:
-                return HeartbeatResult(ErrorCode.NEED_REMOUNT)
-        store.last_seen = self._clock.monotonic()
-        if self._suspicion.is_suspected(store_id):
-            self._heard_from(store_id, store.last_seen)
-        return HeartbeatResult(ErrorCode.OK, store.take(freed_ack, HEARTBEAT_FREED_LIMIT))
-
-    def expire_stores(self) -> list[str]:
-        """Remove the stores silent for longer than ``store_ttl_s``, with their segments and replicas."""
-        now = self._clock.monotonic()
-        ttl = self._cfg.store_ttl_s
-        expired: list[str] = []
-        with self._membership:
-            for store_id, store in list(self._table.stores.items()):
-                if now - store.last_seen <= ttl:
-                    continue
-                self._table.remove_store(store_id)
-                self._suspicion.forget(store_id)
-                segments = [s for s in (self._table.get(i) for i in list(store.segment_ids)) if s is not None]
-                dropped = self._drop_segments(segments)
-                expired.append(store_id)
-                _log.warning("store %s expired: %d segments and %d objects dropped", store_id, len(segments), dropped)
-        return expired
-
-    # =================================================================== dead-store suspicion
-
-    def report_store_failures(self, client_id: str, tcp_endpoints: Sequence[str]) -> SuspicionReport:
-        """A client could not connect to these data-plane endpoints (master/suspicion.py has the rules).
-
-        Returns the reported endpoints whose store is suspected now, and those the caller must probe
-        (then ``store_probe_result``). Endpoints no mounted segment has are ignored.
-        """
-        now = self._clock.monotonic()
-        suspected: list[str] = []
-        probe: list[str] = []
-        with self._membership:
-            for endpoint in dict.fromkeys(tcp_endpoints):
-                store = self._store_at(endpoint)
-                if store is None:
-                    continue
-                verdict = self._suspicion.report(store.store_id, client_id, now)
-                if verdict == Verdict.SUSPECTED:
-                    self._mark_suspected(store, True)
-                    suspected.append(endpoint)
-                elif verdict == Verdict.PROBE:
-                    probe.append(endpoint)
-        return SuspicionReport(suspected, probe)
-
-    def store_probe_result(self, tcp_endpoint: str, reachable: bool) -> bool:
-        """The outcome of the service's probe of a data plane; True when it made its store suspected."""
-        now = self._clock.monotonic()
-        with self._membership:
-            store = self._store_at(tcp_endpoint)
-            if store is None or not self._suspicion.probe_result(store.store_id, reachable, now):
-                return False
-            self._mark_suspected(store, True)
-        _log.warning("store %s (%s) suspected dead: the master's probe failed", store.store_id, tcp_endpoint)
-        return True
-
-    def suspected_stores(self) -> list[str]:
-        with self._membership:
-            return sorted(self._suspicion.suspected)
-
-    def _heard_from(self, store_id: str, now: float) -> None:
-        with self._membership:
-            store = self._table.store(store_id)
-            if store is not None and self._suspicion.heartbeat(store_id, now):
-                self._mark_suspected(store, False)
-                _log.info("store %s heartbeats again: no longer suspected", store_id)
-
-    def _store_at(self, tcp_endpoint: str) -> StoreEntry | None:
-        for segment in self._table.by_id.values():
-            if segment.tcp_endpoint == tcp_endpoint:
-                return segment.store
-        return None
-
-    def _mark_suspected(self, store: StoreEntry, suspected: bool) -> None:
-        """Flag (or unflag) every segment of ``store``: a suspected one is neither readable nor allocatable."""
-        for segment_id in store.segment_ids:
-            segment = self._table.get(segment_id)
-            if segment is not None and segment.suspected != suspected:
-                segment.suspected = suspected
-                segment.set_status(segment.status)
-        self._table.publish()
 
     # =================================================================== puts
 
@@ -748,200 +549,25 @@ class MasterState:
 
     # =================================================================== periodic
 
-    def reclaim_abandoned_puts(self) -> int:
-        """Free the puts still PROCESSING put_timeout_s + RECLAIM_GRACE_S after they started."""
-        cutoff = self._clock.monotonic() - (self._cfg.put_timeout_s + RECLAIM_GRACE_S)
-        self._free_ranges(self._quarantine.due(self._clock.monotonic()))  # revoked puts' ranges, now safe
-
-        def abandoned(meta: ObjectMeta) -> bool:
-            return not meta.flags & COMPLETE and meta.put_time < cutoff
-
-        reclaimed = 0
-        for shard in self._shards:
-            if not shard.processing:
-                continue
-            with shard.lock:
-                objects = shard.objects
-                keys = [k for k in shard.processing if (m := objects.get(k)) is not None and abandoned(m)]
-            for key in keys:
-                if self._drop_if(key, abandoned, shard) is not None:
-                    reclaimed += 1
-        if reclaimed:
-            with self._stats_lock:
-                self._reclaimed += reclaimed
-            _log.info("reclaimed %d abandoned puts", reclaimed)
-        return reclaimed
-
     def needs_eviction(self) -> bool:
         """used / capacity over the allocatable (OK) segments is above eviction_high_watermark."""
-        capacity, used = self._allocatable_usage()
-        used -= self.tiers.pending_bytes  # DRAM being demoted is as good as free
-        return capacity > 0 and used > self._cfg.eviction_high_watermark * capacity
+        return self._evictor.needs_eviction()
 
     def evict(self, bytes_to_free: int | None = None, urgent: bool = False) -> EvictionReport:
-        """Approximate-LRU eviction of at least ``bytes_to_free`` bytes (default: down to eviction_target).
+        """Approximate-LRU eviction of at least ``bytes_to_free`` bytes (default: down to eviction_target);
+        master/evictor.py has how."""
+        return self._evictor.evict(bytes_to_free, urgent)
 
-        Phase 1 samples candidates (COMPLETE, lease expired, not hard-pinned, no replica in flight) shard by
-        shard from a rotating start, holding each shard lock only while copying that shard's candidates,
-        until ``eviction_sample_factor`` x (estimated victims) are collected (factor 0 = every shard).
-        Phase 2 asks the policy for victims, outside every lock. Phase 3 re-validates and frees each victim
-        under its object stripe; one that was leased, touched, pinned or removed meanwhile is skipped.
-        Soft-pinned objects are candidates only if allow_evict_soft_pinned (and the policy takes them last).
-        With an SSD tier, a victim may be demoted instead of dropped (master/tiering.py): it counts towards
-        the bytes freed but not as an eviction; ``urgent`` (a failed allocation) always frees at once.
-        """
-        started = time.perf_counter()
-        with self._evict_lock:
-            if bytes_to_free is None:
-                bytes_to_free = self._default_eviction_bytes()
-            objects = freed = scanned = gone_bytes = 0
-            keys: list[str] = []
-            nshards = self._shards.num_shards
-            for _ in range(MAX_EVICTION_ROUNDS):
-                need = bytes_to_free - freed
-                if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
-                    break  # (the demotion backlog is full: victims would only be deferred)
-                now = self._clock.monotonic()
-                candidates, shards_scanned = self._collect_candidates(now, self._candidate_limit(need))
-                scanned += len(candidates)
-                if not candidates:
-                    break
-                by_key = {c.key: c for c in candidates}
-                round_freed = skipped = 0
-                for key in self._eviction.select(candidates, need):
-                    cand = by_key.get(key)
-                    if cand is None:
-                        continue  # a policy bug; never evict what was not offered
-                    got, gone = self._evict_one(cand, now, urgent)
-                    if got:
-                        round_freed += got
-                        if gone:
-                            objects += 1
-                            gone_bytes += got
-                            keys.append(key)
-                    else:
-                        skipped += 1
-                freed += round_freed
-                if shards_scanned >= nshards and not skipped and freed < bytes_to_free:
-                    break  # a full scan: every evictable object was offered and taken
-            if objects:
-                with self._stats_lock:
-                    self._evictions += objects
-                    self._evicted_bytes += gone_bytes
-        return EvictionReport(objects, freed, scanned, time.perf_counter() - started, keys)
-
-    # =================================================================== views
-
-    def stats(self) -> MasterStats:
+    def _count_evicted(self, objects: int, nbytes: int) -> None:
         with self._stats_lock:
-            hits, misses, puts, reclaimed = self._hits, self._misses, self._puts, self._reclaimed
-            evictions, evicted_bytes = self._evictions, self._evicted_bytes
-        segments = self.segments()
-        capacity, used = self._allocatable_usage()
-        processing = self._shards.count_processing()
-        dram = [s for s in segments if not s.tier]
-        ssd = [s for s in segments if s.tier]
-        return MasterStats(
-            objects=self._shards.count_objects() - processing,
-            capacity=sum(s.size for s in dram),
-            used=sum(s.used for s in dram),
-            hits=hits,
-            misses=misses,
-            evictions=evictions,
-            evicted_bytes=evicted_bytes,
-            puts=puts,
-            reclaimed_puts=reclaimed,
-            segments=segments,
-            processing=processing,
-            stores=len(self._table.stores),
-            allocatable_capacity=capacity,
-            allocatable_used=used,
-            ssd_capacity=sum(s.size for s in ssd),
-            ssd_used=sum(s.used for s in ssd),
-        )
+            self._evictions += objects
+            self._evicted_bytes += nbytes
 
-    def segments(self) -> list[SegmentReport]:
-        """Every mounted segment with its status, used bytes and replica count (admin view)."""
-        out: list[SegmentReport] = []
-        for seg in self._table.segments():
-            st = seg.allocator.statistics()
-            info = seg.info
-            out.append(
-                SegmentReport(
-                    info.id,
-                    info.node,
-                    info.store_id,
-                    info.size,
-                    info.tcp_endpoint,
-                    info.shm_path,
-                    info.rdma_desc,
-                    info.numa_node,
-                    seg.status,
-                    st.used,
-                    st.allocations,
-                    st.largest_free,
-                    seg.tier,
-                )
-            )
-        return out
+    def _allocatable_usage(self) -> tuple[int, int]:
+        return self._evictor.allocatable_usage()
 
-    def validate(self) -> None:
-        """Check every invariant (tests): raise AssertionError saying what is wrong.
-
-        Allocator tiling; used bytes == sum of replica blocks per segment; every replica's segment exists;
-        no two replicas share or overlap a range; one replica per segment per object; a shard holds only its
-        keys; PROCESSING <-> in the shard's processing map (with its writer); counters non-negative.
-        """
-        with self._membership, self._shards.all_locked() as shards:
-            table = self._table
-            expected: dict[int, dict[int, int]] = {sid: {} for sid in table.by_id}
-            for shard in shards:
-                self._validate_shard(shard, expected)
-            held: dict[int, set[int]] = {}
-            for qseg, qoff in self._quarantine.held():
-                if table.by_id.get(qseg.id) is qseg:
-                    held.setdefault(qseg.id, set()).add(qoff)
-            for sid, seg in table.by_id.items():
-                seg.allocator.check()
-                blocks = seg.allocator.allocated_ranges()
-                for qoff in held.get(sid, ()):  # a revoked put's range, still held: allocated, no replica
-                    if qoff in expected[sid]:
-                        raise AssertionError(f"segment {sid}: offset {qoff} reused while quarantined")
-                    expected[sid][qoff] = blocks.get(qoff, -1)
-                if blocks != expected[sid]:
-                    missing = set(blocks) - set(expected[sid])
-                    extra = set(expected[sid]) - set(blocks)
-                    raise AssertionError(
-                        f"segment {sid}: allocator blocks != replicas (leaked offsets {sorted(missing)[:5]}, "
-                        f"unallocated replica offsets {sorted(extra)[:5]}, mismatched lengths "
-                        f"{[o for o in blocks if o in expected[sid] and blocks[o] != expected[sid][o]][:5]})"
-                    )
-                if seg.store_id not in table.stores or sid not in table.stores[seg.store_id].segment_ids:
-                    raise AssertionError(f"segment {sid}: its store {seg.store_id!r} does not list it")
-                if seg.removed:
-                    raise AssertionError(f"segment {sid}: in the table but marked removed")
-            for store_id, store in table.stores.items():
-                for sid in store.segment_ids:
-                    if sid not in table.by_id:
-                        raise AssertionError(f"store {store_id!r} lists segment {sid} that is not mounted")
-            allocatable = {
-                s.id for s in table.by_id.values() if s.status == SegmentStatus.OK and not s.tier and not s.suspected
-            }
-            if {s.id for s in table.allocatable} != allocatable:
-                raise AssertionError("allocatable segment list is stale")
-        with self._stats_lock:
-            counters = (
-                self._hits,
-                self._misses,
-                self._evictions,
-                self._evicted_bytes,
-                self._puts,
-                self._reclaimed,
-            )
-        if min(counters) < 0:
-            raise AssertionError(f"negative counter in {counters}")
-        if self._evictions > 0 and self._evicted_bytes < self._evictions:
-            raise AssertionError("evicted_bytes < evictions")
+    def _default_eviction_bytes(self) -> int:
+        return self._evictor.default_eviction_bytes()
 
     # =================================================================== internals: puts
 
@@ -1122,264 +748,6 @@ class MasterState:
             if stop_at_miss and not ok:
                 return
 
-    # =================================================================== internals: freeing
-
-    def _shard_or_none(self, key: str) -> Shard | None:
-        try:
-            return self._shards.shard_of(key.encode())
-        except (AttributeError, UnicodeEncodeError):
-            return None
-
-    def _drop_if(
-        self, key: str, predicate: Callable[[ObjectMeta], bool], shard: Shard | None = None
-    ) -> ObjectMeta | None:
-        """Under the key's stripe: if the object exists and ``predicate`` holds, unlink it and free its
-        ranges. Returns the dropped object (None if absent or refused)."""
-        if shard is None:
-            shard = self._shard_or_none(key)
-            if shard is None:
-                return None
-        with self._stripes.lock_for(key):
-            with shard.lock:
-                meta = shard.objects.get(key)
-                if meta is None or not predicate(meta):
-                    return None
-                del shard.objects[key]
-                shard.processing.pop(key, None)
-                ranges = self._ranges_of(meta)
-            self._free_ranges(ranges)
-        if self.on_change is not None and meta.flags & _READABLE_MASK:
-            self.on_change((), (key,))
-        return meta
-
-    def _ranges_of(self, meta: ObjectMeta) -> list[Range]:
-        """The object's blocks, resolved to Segment objects. Call under the shard lock: an unmount strips
-        replicas under the shard locks, so a replica seen here belongs to the segment now in the table (never
-        to a later segment re-mounted with the same id)."""
-        by_id = self._table.by_id
-        out: list[Range] = []
-        seg = by_id.get(meta.segment)
-        if seg is not None:
-            out.append((seg, meta.offset))
-        if meta.extra is not None:
-            for r in meta.extra:
-                seg = by_id.get(r >> _SEG_SHIFT)
-                if seg is not None:
-                    out.append((seg, (r >> 1) & _OFF_MASK))
-        return out
-
-    def _free_ranges(self, ranges: list[Range]) -> None:
-        for seg, offset in ranges:
-            try:
-                seg.allocator.free(offset)
-            except KeyError:
-                # A double free is a bug; keep serving and let validate() point at it.
-                _log.error("segment %d: freeing unallocated offset %d", seg.id, offset)
-                continue
-            seg.note_freed(offset)
-
-    # =================================================================== internals: eviction
-
-    def _allocatable_usage(self) -> tuple[int, int]:
-        capacity = used = 0
-        for seg in self._table.allocatable:
-            capacity += seg.size
-            used += seg.allocator.used
-        return capacity, used
-
-    def _default_eviction_bytes(self) -> int:
-        capacity, used = self._allocatable_usage()
-        used -= self.tiers.pending_bytes
-        return max(0, math.ceil(used - self._cfg.eviction_target * capacity))
-
-    def _candidate_limit(self, need: int) -> int | None:
-        """How many candidates phase 1 collects: sample_factor x (estimated victims); None = all."""
-        factor = self._cfg.eviction_sample_factor
-        if factor <= 0:
-            return None
-        objects = self._shards.count_objects()
-        used = sum(s.allocator.used for s in self._table.segments())
-        average = used / objects if objects else 1.0
-        return factor * max(1, math.ceil(need / max(average, 1.0)))
-
-    def _collect_candidates(self, now: float, limit: int | None) -> tuple[list[Candidate], int]:
-        """Phase 1: (candidates, shards scanned), from the rotating cursor on."""
-        allow_soft = self._cfg.allow_evict_soft_pinned
-        tiers = self.tiers
-        ssd = tiers.ssd_ids
-        shards = self._shards.shards
-        nshards = len(shards)
-        start = self._evict_cursor
-        out: list[Candidate] = []
-        append = out.append
-        scanned = 0
-        while scanned < nshards:
-            shard = shards[(start + scanned) % nshards]
-            scanned += 1
-            with shard.lock:
-                for key, meta in shard.objects.items():
-                    if meta.flags & _EVICTABLE_MASK != COMPLETE or meta.lease_until > now:
-                        continue
-                    extra = meta.extra
-                    if extra is None:
-                        if not meta.flags & PRIMARY_COMPLETE or (ssd and meta.segment in ssd):
-                            continue
-                        count = 1
-                    else:
-                        if not meta.all_replicas_complete():
-                            continue
-                        count = tiers.dram_count(meta) if ssd else 1 + len(extra)
-                        if not count:
-                            continue
-                    soft = meta.soft_pin_until > now
-                    if soft and not allow_soft:
-                        continue
-                    append(Candidate(key, meta.last_access, meta.size * count, soft, meta.put_time))
-            if limit is not None and len(out) >= limit:
-                break
-        self._evict_cursor = (start + scanned) % nshards
-        return out, scanned
-
-    def _evict_one(self, cand: Candidate, now: float, urgent: bool = False) -> tuple[int, bool]:
-        """Phase 3 for one victim: (bytes freed, 0 if it no longer qualifies; whether the object is gone)."""
-        if self.tiers.active:
-            return self.tiers.evict_one(cand, now, urgent)
-
-        def still_victim(meta: ObjectMeta) -> bool:
-            return (
-                meta.flags & _EVICTABLE_MASK == COMPLETE
-                and meta.lease_until <= now
-                and meta.last_access == cand.last_access
-                and (cand.soft_pinned or meta.soft_pin_until <= now)
-                and meta.all_replicas_complete()
-            )
-
-        meta = self._drop_if(cand.key, still_victim)
-        return (0, False) if meta is None else (meta.size * meta.replica_count(), True)
-
-    # =================================================================== internals: membership
-
-    def _seq_base(self) -> int:
-        # Free-notification sequence numbers start from the wall clock in microseconds, so a new leader's
-        # numbers are above what a store acknowledged to the previous one (stores should also reset their
-        # ack when they re-mount).
-        return self._clock.wall_ms() * 1000
-
-    def _valid_spec(self, spec: SegmentSpec) -> bool:
-        try:
-            return (
-                _is_uint(spec.id)
-                and isinstance(spec.store_id, str)
-                and bool(spec.store_id)
-                and isinstance(spec.node, str)
-                and type(spec.size) is int
-                and 0 < spec.size <= MAX_OFFSET + 1
-                and isinstance(spec.secret, bytes | bytearray)
-                and len(spec.secret) > 0
-                and isinstance(spec.tcp_endpoint, str)
-                and isinstance(spec.shm_path, str)
-                and isinstance(spec.rdma_desc, bytes | bytearray)
-                and type(spec.numa_node) is int
-                and spec.tier in (0, 1)
-                and type(spec.tier) is int
-            )
-        except AttributeError:
-            return False
-
-    def _drop_segments(self, segments: Sequence[Segment]) -> int:
-        """Remove segments from the table and strip their replicas from every object (membership lock held).
-        Returns how many objects vanished. Their ranges are not freed: the allocators go with the segments."""
-        ids = set()
-        for seg in segments:
-            self._table.remove(seg.id)
-            ids.add(seg.id)
-        self._table.publish()
-        self.tiers.refresh()
-        if not ids:
-            return 0
-        dropped = 0
-        for shard in self._shards:
-            with shard.lock:
-                objects = shard.objects
-                doomed: list[str] = []
-                for key, meta in objects.items():
-                    if meta.extra is None:
-                        if meta.segment in ids:
-                            doomed.append(key)
-                        continue
-                    replicas = meta.replica_list()
-                    keep = [r for r in replicas if r.segment_id not in ids]
-                    if not keep:
-                        doomed.append(key)
-                    elif len(keep) != len(replicas):
-                        meta.set_replicas(keep)
-                for key in doomed:
-                    del objects[key]
-                    shard.processing.pop(key, None)
-                dropped += len(doomed)
-            if doomed and self.on_change is not None:
-                self.on_change((), doomed)
-        return dropped
-
-    def _adopt(self, segment: Segment, inventory: Iterable[InventoryItem], now: float) -> tuple[int, int]:
-        """Adopt a store's inventory into ``segment`` (membership lock held): (adopted, rejected)."""
-        items: list[InventoryItem] = []
-        rejected = 0
-        try:
-            entries = list(inventory)
-        except TypeError:
-            return 0, 0
-        for item in entries:
-            if isinstance(item, InventoryItem) and type(item.offset) is int:
-                items.append(item)
-            else:
-                rejected += 1
-        # Offset order makes each reserve split the tail extent: O(1) each instead of O(extents).
-        items.sort(key=_by_offset)
-        adopted = 0
-        for item in items:
-            if self._adopt_one(segment, item, now):
-                adopted += 1
-            else:
-                rejected += 1
-        return adopted, rejected
-
-    def _adopt_one(self, segment: Segment, item: InventoryItem, now: float) -> bool:
-        cfg = self._cfg
-        kb = _encode_key(item.key, cfg.max_key_bytes)
-        offset, length, checksum = item.offset, item.length, item.checksum
-        if (
-            not isinstance(kb, bytes)
-            or item.tier != segment.tier
-            or not _is_uint(offset)
-            or not _is_uint(checksum)
-            or type(length) is not int
-            or not 0 < length <= cfg.max_object_bytes
-            or offset + length > segment.size
-        ):
-            return False
-        key = item.key
-        shard = self._shards.shard_of(kb)
-        with self._stripes.lock_for(key), shard.lock:
-            meta = shard.objects.get(key)
-            if meta is None:
-                if not segment.allocator.reserve(offset, length):
-                    return False
-                shard.objects[key] = ObjectMeta(
-                    self._intern_size(length), segment.id, offset, now, COMPLETE | PRIMARY_COMPLETE, checksum
-                )
-                return True
-            if not meta.flags & COMPLETE or meta.size != length or meta.checksum != checksum:
-                return False
-            for r in meta.replica_list():
-                if r.segment_id == segment.id:
-                    # Already known (an idempotent re-mount) or a second copy on one segment (refused).
-                    return r.offset == offset and r.complete
-            if not segment.allocator.reserve(offset, length):
-                return False
-            meta.add_replica(segment.id, offset, True)
-            return True
-
     # =================================================================== internals: misc
 
     def _check_batch(self, n: int) -> None:
@@ -1392,36 +760,3 @@ class MasterState:
         if n > self._cfg.max_batch:
             return ErrorCode.BATCH_TOO_LARGE
         return None
-
-    def _validate_shard(self, shard: Shard, expected: dict[int, dict[int, int]]) -> None:
-        by_id = self._table.by_id
-        nshards = self._shards.num_shards
-        for key, meta in shard.objects.items():
-            where = f"object {key!r}"
-            if shard_index(key.encode(), nshards) != shard.index:
-                raise AssertionError(f"{where}: in shard {shard.index}, hashes elsewhere")
-            replicas = meta.replica_list()
-            if meta.extra is not None and not meta.extra:
-                raise AssertionError(f"{where}: empty extra-replica tuple (must be None)")
-            complete = bool(meta.flags & COMPLETE)
-            if complete == (key in shard.processing):
-                raise AssertionError(f"{where}: COMPLETE={complete} but processing-map membership disagrees")
-            if not complete and any(r.status == ReplicaStatus.COMPLETE for r in replicas):
-                raise AssertionError(f"{where}: PROCESSING with a COMPLETE replica")
-            if meta.size <= 0:
-                raise AssertionError(f"{where}: size {meta.size}")
-            seen_segments: set[int] = set()
-            for sid, offset, _ in replicas:
-                seg = by_id.get(sid)
-                if seg is None:
-                    raise AssertionError(f"{where}: replica on unknown segment {sid}")
-                if sid in seen_segments:
-                    raise AssertionError(f"{where}: two replicas on segment {sid}")
-                seen_segments.add(sid)
-                blocks = expected[sid]
-                if offset in blocks:
-                    raise AssertionError(f"{where}: segment {sid} offset {offset} used by two replicas")
-                if offset + meta.size > seg.size:
-                    raise AssertionError(f"{where}: replica beyond the end of segment {sid}")
-                mask = seg.allocator.alignment - 1
-                blocks[offset] = min((meta.size + mask) & ~mask, seg.size - offset)

@@ -739,7 +739,7 @@ def _rates(samples: deque[tuple[float, int, int]]) -> dict[str, int]:
 
 
 def _still_victim(meta: ObjectMeta, cand: Candidate, now: float) -> bool:
-    """The DRAM eviction's re-validation (the same rule as MasterState._evict_one)."""
+    """The DRAM eviction's re-validation (the same rule as Evictor._evict_one in evictor.py)."""
     return (
         meta.flags & _EVICTABLE_MASK == COMPLETE
         and meta.lease_until <= now
