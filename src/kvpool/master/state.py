@@ -542,7 +542,7 @@ class MasterState:
                         code = _OK
                         # Late WRITE bytes of this put may still land: the ranges are reused only once
                         # its grant has expired (master/quarantine.py), like an abandoned put's.
-                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S, ranges)
+                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S, ranges, key)
             codes.append(code)
         return codes
 
@@ -751,7 +751,8 @@ class MasterState:
     def reclaim_abandoned_puts(self) -> int:
         """Free the puts still PROCESSING put_timeout_s + RECLAIM_GRACE_S after they started."""
         cutoff = self._clock.monotonic() - (self._cfg.put_timeout_s + RECLAIM_GRACE_S)
-        self._free_ranges(self._quarantine.due(self._clock.monotonic()))  # revoked puts' ranges, now safe
+        for key, ranges in self._quarantine.due_by_key(self._clock.monotonic()):  # revoked puts', now safe
+            self._free_ranges(ranges, key)
 
         def abandoned(meta: ObjectMeta) -> bool:
             return not meta.flags & COMPLETE and meta.put_time < cutoff
@@ -1003,7 +1004,7 @@ class MasterState:
                     shard.processing.pop(key, None)
                     stale = self._ranges_of(meta)
             if meta is not None:
-                self._free_ranges(stale)
+                self._free_ranges(stale, key)
                 with self._stats_lock:
                     self._reclaimed += 1
             placed = self._allocate(size, ctx)
@@ -1147,7 +1148,7 @@ class MasterState:
                 del shard.objects[key]
                 shard.processing.pop(key, None)
                 ranges = self._ranges_of(meta)
-            self._free_ranges(ranges)
+            self._free_ranges(ranges, key)
         if self.on_change is not None and meta.flags & _READABLE_MASK:
             self.on_change((), (key,))
         return meta
@@ -1168,7 +1169,7 @@ class MasterState:
                     out.append((seg, (r >> 1) & _OFF_MASK))
         return out
 
-    def _free_ranges(self, ranges: list[Range]) -> None:
+    def _free_ranges(self, ranges: list[Range], key: str = "") -> None:
         for seg, offset in ranges:
             try:
                 seg.allocator.free(offset)
@@ -1176,7 +1177,7 @@ class MasterState:
                 # A double free is a bug; keep serving and let validate() point at it.
                 _log.error("segment %d: freeing unallocated offset %d", seg.id, offset)
                 continue
-            seg.note_freed(offset)
+            seg.note_freed(offset, key)
 
     # =================================================================== internals: eviction
 
