@@ -420,6 +420,126 @@ def measure_recovery(
         prober.close()
 
 
+@dataclass
+class PutRound:
+    """One round of puts into one cluster: keys/s and the latency of each call."""
+
+    warm_standbys: int
+    keys_per_s: float
+    batch_p50_ms: float
+    batch_p99_ms: float
+    single_p50_ms: float
+    single_p99_ms: float
+
+
+class PutArm:
+    """One cluster of an A/B put comparison (3 masters, 2 stores), and a client writing into it."""
+
+    def __init__(self, cluster: Any, warm: bool, value_bytes: int) -> None:
+        from kvpool.client import ClientConfig, PoolClient
+
+        self.cluster = cluster
+        self.warm = warm
+        self.value_bytes = value_bytes
+        self.client = PoolClient(
+            config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=10.0, cluster=cluster.cluster)
+        )
+        self.written = 0
+
+    def round(self, objects: int, singles: int, batch: int = 32) -> PutRound:
+        """``objects`` new keys in batches of ``batch``, then ``singles`` single-key puts."""
+        keys = [f"ab-{i}" for i in range(self.written, self.written + objects + singles)]
+        self.written += len(keys)
+        values = {k: _value_of(k, self.value_bytes) for k in keys}  # made before the clock starts
+        batch_ms: list[float] = []
+        started = time.perf_counter()
+        for start in range(0, objects, batch):
+            chunk = keys[start : min(objects, start + batch)]
+            t = time.perf_counter()
+            codes = self.client.batch_put_from(chunk, [values[k] for k in chunk])
+            batch_ms.append((time.perf_counter() - t) * 1000)
+            if any(codes):
+                raise RuntimeError(f"puts failed: {sorted(set(codes))}")
+        single_ms: list[float] = []
+        for key in keys[objects:]:
+            t = time.perf_counter()
+            if self.client.put(key, values[key]) != 0:
+                raise RuntimeError(f"put of {key} failed")
+            single_ms.append((time.perf_counter() - t) * 1000)
+        elapsed = time.perf_counter() - started
+        return PutRound(
+            warm_standbys=len(self.cluster.masters) - 1 if self.warm else 0,
+            keys_per_s=len(keys) / elapsed,
+            batch_p50_ms=_percentile(batch_ms, 0.5),
+            batch_p99_ms=_percentile(batch_ms, 0.99),
+            single_p50_ms=_percentile(single_ms, 0.5),
+            single_p99_ms=_percentile(single_ms, 0.99),
+        )
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until the standbys hold what the leader holds, so a round never pays for the last one's feed."""
+        if self.warm:
+            endpoints = [m.address for m in self.cluster.masters]
+            leader = wait_for_leader(endpoints, timeout)
+            wait_for_warm_standbys(endpoints, leader, _objects_of(leader), timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_compare_puts(args: argparse.Namespace) -> int:
+    """Puts with 0 and with 2 warm standbys: two clusters up at once, rounds alternating between them
+    (the cold one first in every other pair), medians over the rounds of each."""
+    from contextlib import ExitStack
+
+    from kvpool.tools.local_cluster import LocalCluster
+
+    per_round = args.compare_puts
+    singles = max(1, per_round // 50)
+    size = _scale_size((per_round + singles) * args.runs, args.value_bytes, 2)
+    rounds: list[PutRound] = []
+    with ExitStack() as stack:
+        arms = []
+        for warm in (True, False):
+            store_args = () if warm else ("--standby-feed-interval-s", "0")
+            cluster = stack.enter_context(LocalCluster(stores=2, store_size=size, ha=True, store_args=store_args))
+            wait_for_leader([m.address for m in cluster.masters], 60.0)
+            arm = PutArm(cluster, warm, args.value_bytes)
+            stack.callback(arm.close)
+            arm.round(min(per_round, 2048), 10)  # warm-up: connections, leases of the first segments
+            arm.settle()
+            arms.append(arm)
+        for i in range(args.runs):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                rounds.append(arm.round(per_round, singles))
+                arm.settle()
+                print(f"round {i + 1}: {json.dumps(asdict(rounds[-1]))}", file=sys.stderr)
+    doc: dict[str, Any] = {"objects_per_round": per_round, "single_puts_per_round": singles, "runs": args.runs}
+    for warm in (True, False):
+        mine = [r for r in rounds if (r.warm_standbys > 0) == warm]
+        doc["warm" if warm else "cold"] = {
+            name: _median([getattr(r, name) for r in mine])
+            for name in ("keys_per_s", "batch_p50_ms", "batch_p99_ms", "single_p50_ms", "single_p99_ms")
+        }
+    doc["keys_per_s_warm_over_cold"] = doc["warm"]["keys_per_s"] / doc["cold"]["keys_per_s"]
+    doc["rounds"] = [asdict(r) for r in rounds]
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"{per_round} puts of {args.value_bytes} B per round, {args.runs} rounds each, medians:")
+        for arm_name in ("warm", "cold"):
+            print(f"  {arm_name:5s} " + "  ".join(f"{k} {v:.2f}" for k, v in doc[arm_name].items()))
+        print(f"  keys/s warm / cold: {doc['keys_per_s_warm_over_cold']:.3f}")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=positive_int, default=3, help="failovers to measure (default 3); medians printed"
@@ -436,6 +556,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cold",
         action="store_true",
         help="turn the stores' feed to the standby masters off: the new leader starts cold (the baseline)",
+    )
+    parser.add_argument(
+        "--compare-puts",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="instead of a failover: N puts per round into a cluster with 2 warm standbys and one without "
+        "(the stores' feed off), --runs rounds each, alternating; medians of keys/s and latency",
     )
     parser.add_argument("--json", action="store_true")
 
@@ -527,6 +655,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.tools.local_cluster import LocalCluster
 
+    if args.compare_puts:
+        return run_compare_puts(args)
     if args.objects > 400 or args.cold:
         return run_scale(args)
     results = []
