@@ -300,10 +300,14 @@ class Prober:
             codes = self.client.batch_put_from(keys, [_value_of(k, self.value_bytes) for k in keys])
             self.keys.extend(k for k, code in zip(keys, codes, strict=True) if code == 0)
 
-    def probe(self, sample: int) -> float:
-        """The fraction of ``sample`` random objects that read back with the right bytes now."""
+    def probe(self, sample: int) -> tuple[float, float | None]:
+        """The fraction of ``sample`` random objects that read back with the right bytes, and the
+        ``time.monotonic()`` at which the first of its reads that got any right bytes returned (None: none).
+        A probe spans several calls: one begun before the new leader served mixes its misses with its hits,
+        so the time of its first good read is kept apart from its start."""
         keys = self._rng.sample(self.keys, min(sample, len(self.keys)))
         good = 0
+        first_good: float | None = None
         for start in range(0, len(keys), 256):
             chunk = keys[start : start + 256]
             for key, value in zip(chunk, self.client.batch_get(chunk, timeout=2.0), strict=True):
@@ -311,9 +315,11 @@ class Prober:
                     continue
                 if value == _value_of(key, self.value_bytes):
                     good += 1
+                    if first_good is None:
+                        first_good = time.monotonic()
                 else:
                     self.wrong += 1
-        return good / len(keys) if keys else 0.0
+        return (good / len(keys) if keys else 0.0), first_good
 
     def close(self) -> None:
         self.client.close()
@@ -363,10 +369,12 @@ def measure_recovery(
 ) -> RecoveryResult:
     """Write ``objects``, SIGKILL the leader, then probe random samples until all of a sample reads back.
 
-    ``recovered_fraction`` is the fraction of the first probe that read anything after the new leader
-    served; ``seconds_to_full_index`` is when a sample first read back right to ``full_fraction`` (nan:
-    never; one miss in 1,000 is allowed, see FULL_INDEX_FRACTION). The new
-    leader serves from the first of: a master's GetStats says "leader", or a probe reads right."""
+    ``seconds_to_first_read`` is when the first read with the right bytes returned; ``recovered_fraction``
+    is the fraction readable in the first probe begun at or after that moment (what the new leader
+    serves once it serves: a probe begun earlier also counts the misses of its calls made before that);
+    ``seconds_to_full_index`` is when a probe first began that read back right to ``full_fraction`` (nan:
+    never; see FULL_INDEX_FRACTION). The new leader serves from the first of: a master's GetStats says
+    "leader", or a read returned right bytes."""
     endpoints = [m.address for m in cluster.masters]
     old = wait_for_leader(endpoints, timeout)
     prober = Prober(cluster.master, cluster.cluster, value_bytes)
@@ -390,12 +398,15 @@ def measure_recovery(
         deadline = Deadline(timeout)
         while not deadline.expired():
             probe_start = time.monotonic() - t0
-            fraction = prober.probe(sample)
+            fraction, first_good = prober.probe(sample)
             over_time.append([round(probe_start, 3), round(fraction, 4)])
-            if fraction > 0 and first_read != first_read:
-                first_read, recovered = probe_start, fraction
-            if fraction >= full_fraction:
-                full = probe_start
+            if first_read == first_read and recovered != recovered:
+                recovered = fraction  # the first probe begun after the first good read
+            elif first_good is not None and first_read != first_read:
+                first_read = first_good - t0
+            if fraction >= full_fraction and full != full:
+                full = max(probe_start, first_read) if first_read == first_read else probe_start
+            if full == full and recovered == recovered:
                 break
             time.sleep(0.1)
         watcher.join(timeout)
