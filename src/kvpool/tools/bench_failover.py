@@ -259,9 +259,8 @@ class RecoveryResult:
 
 
 FULL_INDEX_FRACTION = 0.999
-"""A sample this readable counts as the full index: a few objects per million can be lost by any failover
-(decision 0070's known limit), and a whole sample of 1,000 would then miss one of them in a third of the
-probes."""
+"""A sample this readable counts as the full index: one read in 1,000 may time out on a loaded machine (a
+miss), which would otherwise hold the figure back by a whole probe."""
 
 
 def _value_of(key: str, size: int) -> bytes:
@@ -336,9 +335,8 @@ def _objects_of(endpoint: str) -> int:
 
 def wait_for_warm_standbys(endpoints: list[str], leader: str, objects: int, timeout: float) -> float:
     """Seconds until every standby's index has caught up: it holds ``objects`` objects, or its count has
-    not changed for 2 s (nan if neither happened in time). A standby can settle a little below the
-    leader: the store forgets an object whose range was reused before its free notification arrived
-    (decision 0070's known limit), and a failover, warm or cold, loses those objects."""
+    not changed for 2 s (nan if neither happened in time): the counts may differ for a while, e.g. a
+    revoked put whose bytes landed stays in its store's inventory until the master frees its range."""
     started = time.monotonic()
     deadline = Deadline(timeout)
     standbys = [e for e in endpoints if e != leader]
