@@ -114,12 +114,11 @@ def test_deltas_follow_removals_and_new_puts(ha_cluster: LocalCluster) -> None:
         _wait_for(lambda: all(_stats(e).objects == 100 for e in standbys), 20.0, "the first sync")
         removed = sorted(workload.acked)[:40]
         assert all(code == 0 for code in workload.client.batch_remove(removed))
-        # The removals reach the store with its next heartbeats, the standbys with the next feed. (Only
-        # then are new objects written: a range reused before its free notification reached the store is
-        # a known limit of the store-held inventory, not of the feed; see decision 0070.)
-        _wait_for(lambda: all(_stats(e).objects == 60 for e in standbys), 20.0, "the removals")
+        # New objects at once: the master hands them the freed ranges before the store's next heartbeat
+        # brings it the frees, which name the removed keys, so the store keeps the new objects there
+        # (decision 0071) and the standbys, fed from its inventory, end with exactly the 120 live ones.
         assert workload.write_until(60, "second", 30.0) == 60
-        _wait_for(lambda: all(_stats(e).objects == 120 for e in standbys), 20.0, "the new objects")
+        _wait_for(lambda: all(_stats(e).objects == 120 for e in standbys), 20.0, "the removals and new objects")
         # And the failover keeps exactly that: the removed keys stay gone, the rest read back right.
         ha_cluster.kill(next(m for m in ha_cluster.masters if m.address == old))
         new = wait_for_leader(standbys, 20.0)

@@ -53,7 +53,8 @@ class FreeingMixin:
     def reclaim_abandoned_puts(self) -> int:
         """Free the puts still PROCESSING put_timeout_s + RECLAIM_GRACE_S after they started."""
         cutoff = self._clock.monotonic() - (self._cfg.put_timeout_s + RECLAIM_GRACE_S)
-        self._free_ranges(self._quarantine.due(self._clock.monotonic()))  # revoked puts' ranges, now safe
+        for key, ranges in self._quarantine.due_by_key(self._clock.monotonic()):  # revoked puts', now safe
+            self._free_ranges(ranges, key)
 
         def abandoned(meta: ObjectMeta) -> bool:
             return not meta.flags & COMPLETE and meta.put_time < cutoff
@@ -99,7 +100,7 @@ class FreeingMixin:
                 del shard.objects[key]
                 shard.processing.pop(key, None)
                 ranges = self._ranges_of(meta)
-            self._free_ranges(ranges)
+            self._free_ranges(ranges, key)
         if self.on_change is not None and meta.flags & _READABLE_MASK:
             self.on_change((), (key,))
         return meta
@@ -120,7 +121,7 @@ class FreeingMixin:
                     out.append((seg, (r >> 1) & _OFF_MASK))
         return out
 
-    def _free_ranges(self, ranges: list[Range]) -> None:
+    def _free_ranges(self, ranges: list[Range], key: str = "") -> None:
         for seg, offset in ranges:
             try:
                 seg.allocator.free(offset)
@@ -128,4 +129,4 @@ class FreeingMixin:
                 # A double free is a bug; keep serving and let validate() point at it.
                 _log.error("segment %d: freeing unallocated offset %d", seg.id, offset)
                 continue
-            seg.note_freed(offset)
+            seg.note_freed(offset, key)

@@ -206,7 +206,7 @@ class MoveEngine:
         self._per_job: dict[str, int] = {}
         self._outgoing: dict[int, int] = {}
         """Source segment id -> bytes of its moves in flight (rebalancing counts them as already gone)."""
-        self._retiring: list[tuple[float, int, Segment, int, int]] = []
+        self._retiring: list[tuple[float, int, Segment, int, int, str]] = []  # (.., seg, offset, size, key)
         """Heap of (free at, tie-breaker, segment, offset, bytes): ranges out of the index, freed when due."""
         self._retiring_bytes: dict[int, int] = {}
         self._backoff: dict[str, tuple[int, float]] = {}
@@ -427,7 +427,7 @@ class MoveEngine:
                 return False
             meta.set_replicas(keep)
             free_at = meta.lease_until
-        self._retire(seg, source.offset, meta.size, free_at)
+        self._retire(seg, source.offset, meta.size, free_at, key)
         return True
 
     # =================================================================== delivery
@@ -518,14 +518,14 @@ class MoveEngine:
     def reap(self) -> int:
         """Free the retired ranges that are due; returns how many."""
         now = self._clock.monotonic()
-        due: list[tuple[Segment, int]] = []
+        due: list[tuple[Segment, int, str]] = []
         with self._lock:
             while self._retiring and self._retiring[0][0] <= now:
-                _, _, seg, offset, size = heapq.heappop(self._retiring)
+                _, _, seg, offset, size, key = heapq.heappop(self._retiring)
                 _dec(self._retiring_bytes, seg.id, size)
-                due.append((seg, offset))
-        for seg, offset in due:
-            self._free(seg, offset)
+                due.append((seg, offset, key))
+        for seg, offset, key in due:
+            self._free(seg, offset, key)
         return len(due)
 
     def _pop(self, task_id: int) -> _Move | None:
@@ -575,11 +575,11 @@ class MoveEngine:
                         del shard.objects[key]
         if free_target:
             if target_free_at is None:
-                self._free(move.target, move.target_offset)
+                self._free(move.target, move.target_offset, key)
             else:
-                self._retire(move.target, move.target_offset, task.size, target_free_at)
+                self._retire(move.target, move.target_offset, task.size, target_free_at, key)
         if retire_source:
-            self._retire(move.source, move.source_offset, task.size, lease_until)
+            self._retire(move.source, move.source_offset, task.size, lease_until, key)
         if found and ok:
             self._backoff.pop(key, None)
             return MoveOutcome(task.task_id, ErrorCode.OK, key, task.job, task.size, move.source.id)
@@ -588,19 +588,19 @@ class MoveEngine:
         code = ErrorCode.TRANSFER_FAILED if found or not ok else ErrorCode.SEGMENT_NOT_FOUND
         return MoveOutcome(task.task_id, code, key, task.job, task.size, move.source.id)
 
-    def _retire(self, seg: Segment, offset: int, size: int, free_at: float) -> None:
+    def _retire(self, seg: Segment, offset: int, size: int, free_at: float, key: str) -> None:
         """Free now if no lease can still read the range, else when the lease has run out."""
         if free_at <= self._clock.monotonic():
-            self._free(seg, offset)
+            self._free(seg, offset, key)
             return
         with self._lock:
-            heapq.heappush(self._retiring, (free_at, next(self._ids), seg, offset, size))
+            heapq.heappush(self._retiring, (free_at, next(self._ids), seg, offset, size, key))
             self._retiring_bytes[seg.id] = self._retiring_bytes.get(seg.id, 0) + size
 
-    def _free(self, seg: Segment, offset: int) -> None:
+    def _free(self, seg: Segment, offset: int, key: str) -> None:
         if seg.removed:
             return  # the allocator went with the segment
-        self.state._free_ranges([(seg, offset)])
+        self.state._free_ranges([(seg, offset)], key)
 
     # =================================================================== retries
 

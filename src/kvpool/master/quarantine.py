@@ -29,28 +29,34 @@ class RangeQuarantine:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._heap: list[tuple[float, int, list[Range]]] = []
+        self._heap: list[tuple[float, int, list[Range], str]] = []  # (release at, tie-break, ranges, key)
         self._seq = itertools.count()
 
-    def hold(self, release_at: float, ranges: list[Range]) -> None:
+    def hold(self, release_at: float, ranges: list[Range], key: str = "") -> None:
+        """Hold one object's ranges (``key``: the object, named in the stores' free notifications)."""
         if ranges:
             with self._lock:
-                heapq.heappush(self._heap, (release_at, next(self._seq), ranges))
+                heapq.heappush(self._heap, (release_at, next(self._seq), ranges, key))
 
     def due(self, now: float) -> list[Range]:
         """Remove and return the ranges whose time has come (those of live segments only)."""
-        out: list[Range] = []
+        return [r for _, ranges in self.due_by_key(now) for r in ranges]
+
+    def due_by_key(self, now: float) -> list[tuple[str, list[Range]]]:
+        """Like :meth:`due`, each object's ranges with its key."""
+        out: list[tuple[str, list[Range]]] = []
         with self._lock:
             while self._heap and self._heap[0][0] <= now:
-                out.extend(heapq.heappop(self._heap)[2])
-        return [r for r in out if not r[0].removed]
+                _, _, ranges, key = heapq.heappop(self._heap)
+                out.append((key, [r for r in ranges if not r[0].removed]))
+        return out
 
     def held(self) -> list[Range]:
         """Every range still held (of live segments), for validate()."""
         with self._lock:
-            ranges = [r for _, _, rs in self._heap for r in rs]
+            ranges = [r for _, _, rs, _ in self._heap for r in rs]
         return [r for r in ranges if not r[0].removed]
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(rs) for _, _, rs in self._heap)
+            return sum(len(rs) for _, _, rs, _ in self._heap)

@@ -86,22 +86,24 @@ class StoreEntry:
         self.last_seen = now
         self.segment_ids: set[int] = set()
         self._lock = threading.Lock()
-        self._queue: deque[tuple[int, int, int]] = deque()
+        self._queue: deque[tuple[int, int, int, str]] = deque()  # (segment_id, offset, seq, key)
         self._limit = limit
         self._next_seq = seq_base + 1
         self.dropped = 0
         """Notifications dropped because the queue was full."""
 
-    def note_freed(self, segment_id: int, offset: int) -> None:
+    def note_freed(self, segment_id: int, offset: int, key: str = "") -> None:
+        """Queue the free of the range at ``offset``; ``key`` names the object that held it, so that the
+        store forgets only that object (the range may hold a newer one by the time the news arrives)."""
         with self._lock:
             queue = self._queue
             if len(queue) >= self._limit:
                 queue.popleft()
                 self.dropped += 1
-            queue.append((segment_id, offset, self._next_seq))
+            queue.append((segment_id, offset, self._next_seq, key))
             self._next_seq += 1
 
-    def take(self, ack: int, limit: int) -> list[tuple[int, int, int]]:
+    def take(self, ack: int, limit: int) -> list[tuple[int, int, int, str]]:
         """Forget notifications with seq <= ``ack``; return up to ``limit`` pending ones, oldest first."""
         with self._lock:
             queue = self._queue
@@ -173,13 +175,13 @@ class Segment:
         self.status = status
         self.readable = status in (SegmentStatus.OK, SegmentStatus.DRAINING) and not self.suspected
 
-    def note_freed(self, offset: int) -> None:
+    def note_freed(self, offset: int, key: str = "") -> None:
         """Queue a free notification for the owning store (not for a segment that is already gone).
 
         SSD-tier ranges are not notified here: their allocator queues a DELETE task in the store's tier
         channel instead, in order with the writes into that range (master/tiering.py)."""
         if not self.removed and not self.tier:
-            self.store.note_freed(self.id, offset)
+            self.store.note_freed(self.id, offset, key)
 
 
 class SegmentTable:

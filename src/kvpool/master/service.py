@@ -292,7 +292,7 @@ class MasterHandlers:
         if self.standby.needs_remount(req.store_id):  # known from the standby feed only: reconcile first
             return pb.HeartbeatResponse(status=self.status(ErrorCode.NEED_REMOUNT))
         result = self.state.heartbeat(req.store_id, list(req.segment_ids), req.freed_ack)
-        freed = [pb.FreedRange(segment_id=s, offset=o, seq=q) for s, o, q in result.freed]
+        freed = [pb.FreedRange(segment_id=s, offset=o, seq=q, key=k) for s, o, q, k in result.freed]
         return pb.HeartbeatResponse(
             status=self.status(result.code), freed=freed, moves_pending=self.drains.pending_for(req.store_id)
         )

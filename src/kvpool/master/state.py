@@ -343,7 +343,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                         code = _OK
                         # Late WRITE bytes of this put may still land: the ranges are reused only once
                         # its grant has expired (master/quarantine.py), like an abandoned put's.
-                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S, ranges)
+                        self._quarantine.hold(meta.put_time + self._cfg.put_timeout_s + RECLAIM_GRACE_S, ranges, key)
             codes.append(code)
         return codes
 
@@ -629,7 +629,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                     shard.processing.pop(key, None)
                     stale = self._ranges_of(meta)
             if meta is not None:
-                self._free_ranges(stale)
+                self._free_ranges(stale, key)
                 with self._stats_lock:
                     self._reclaimed += 1
             placed = self._allocate(size, ctx)

@@ -75,8 +75,9 @@ HIT_TABLE_LIMIT = 1 << 16
 """Most SSD-only objects whose reads are being counted for promotion (oldest forgotten first)."""
 
 Range = tuple[Segment, int]
-FreeRanges = Callable[[list[Range]], None]
-HoldRanges = Callable[[float, list[Range]], None]
+FreeRanges = Callable[[list[Range], str], None]
+"""Frees one object's ranges; the key names it in the store's free notification."""
+HoldRanges = Callable[[float, list[Range], str], None]
 """(release time, ranges): keep ranges allocated until then (MasterState's quarantine)."""
 
 TAKE_MAX_BYTES = 8 << 20
@@ -352,7 +353,7 @@ class TierManager:
                     shard.processing.pop(key, None)
                     ranges = self._resolve(replicas)
                     gone = True
-            self._free_ranges(ranges)
+            self._free_ranges(ranges, key)
         if gone:
             with self._lock:
                 self._c.dram_dropped += 1
@@ -578,7 +579,7 @@ class TierManager:
                         _log.error("demotion of %r: DRAM bytes do not match the checksum; dropping it", key)
                     del shard.objects[key]
                     ranges = self._resolve(replicas)
-            self._free_ranges(ranges)
+            self._free_ranges(ranges, key)
         return ok
 
     def _finish_promote(self, task: TierTask, code: ErrorCode) -> bool:
@@ -604,9 +605,9 @@ class TierManager:
             if code == ErrorCode.TIMEOUT and self._hold_ranges is not None:
                 # Abandoned without a word from the store: it cannot start the copy any more (the task's
                 # deadline has passed), but one it started just before may still be writing the range.
-                self._hold_ranges(self._clock.monotonic() + ABANDON_GRACE_S, ranges)
+                self._hold_ranges(self._clock.monotonic() + ABANDON_GRACE_S, ranges, key)
             else:
-                self._free_ranges(ranges)
+                self._free_ranges(ranges, key)
         return False
 
     # ------------------------------------------------------------------ periodic
@@ -694,7 +695,7 @@ class TierManager:
                     del shard.objects[key]
                     ranges = self._resolve(replicas)
                 size = meta.size
-            self._free_ranges(ranges)
+            self._free_ranges(ranges, key)
         return size
 
     # ------------------------------------------------------------------ views

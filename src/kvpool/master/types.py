@@ -121,8 +121,9 @@ class MountResult:
 @dataclass(frozen=True, slots=True)
 class HeartbeatResult:
     code: ErrorCode
-    freed: list[tuple[int, int, int]] = field(default_factory=list)
-    """(segment_id, offset, seq) of ranges the master freed and the store has not acknowledged yet."""
+    freed: list[tuple[int, int, int, str]] = field(default_factory=list)
+    """(segment_id, offset, seq, key) of ranges the master freed and the store has not acknowledged yet;
+    ``key`` is the object that held the range ("" when not known)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,14 +132,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, store_id: _Optional[str] = ..., segment_ids: _Optional[_Iterable[int]] = ..., freed_ack: _Optional[int] = ...) -> None: ...
 
 class FreedRange(_message.Message):
-    __slots__ = ("segment_id", "offset", "seq")
+    __slots__ = ("segment_id", "offset", "seq", "key")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     offset: int
     seq: int
-    def __init__(self, segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    key: str
+    def __init__(self, segment_id: _Optional[int] = ..., offset: _Optional[int] = ..., seq: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("status", "freed", "moves_pending")

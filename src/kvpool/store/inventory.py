@@ -10,7 +10,9 @@ So the inventory must never describe bytes that are not that object's bytes:
 * a write into a range first drops every entry and every partial write it overlaps (``begin_write``, called
   before the bytes land), so no entry ever describes overwritten bytes. A re-sent part of the same object
   (same key, offset, length and checksum) keeps its entry: it rewrites identical bytes;
-* ranges the master freed are dropped with :meth:`Inventory.drop`.
+* ranges the master freed are dropped with :meth:`Inventory.drop`, which forgets only the object the master
+  names: the master may have handed the range to a new object, written and committed here, before the
+  news of the free arrived.
 
 Memory for incomplete writes is bounded: a partial write is forgotten after ``partial_timeout_s`` without a
 new part, when it is overwritten, or when more than ``max_partials`` are pending (oldest first).
@@ -253,12 +255,15 @@ class Inventory:
             self._forget(segment_id, self._segments[segment_id], oldest)
 
     # ------------------------------------------------------------------ master-driven changes
-    def drop(self, segment_id: int, offset: int) -> bool:
-        """The master freed the object at ``offset``: forget it (and any partial write there)."""
+    def drop(self, segment_id: int, offset: int, key: bytes = b"") -> bool:
+        """The master freed object ``key`` at ``offset``: forget it (and any partial write of it there).
+
+        A claim of another key at that offset is a newer object in the reused range: it stays. An empty
+        ``key`` (a master that does not name the object) forgets whatever is there."""
         with self._lock:
             claims = self._segments.get(segment_id)
             claim = claims.by_offset.get(offset) if claims else None
-            if claims is None or claim is None:
+            if claims is None or claim is None or (key and claim.key != key):
                 return False
             self._forget(segment_id, claims, claim)
             return True

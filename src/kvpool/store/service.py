@@ -334,7 +334,7 @@ class StoreServer:
             self.mount(remount=True)
             return
         for freed in response.freed:
-            self.inventory.drop(freed.segment_id, freed.offset)
+            self.inventory.drop(freed.segment_id, freed.offset, freed.key.encode())
             self._freed_ack = max(self._freed_ack, freed.seq)
         if response.moves_pending and self.mover is not None:
             self.mover.wake()

@@ -259,9 +259,8 @@ class RecoveryResult:
 
 
 FULL_INDEX_FRACTION = 0.999
-"""A sample this readable counts as the full index: a few objects per million can be lost by any failover
-(decision 0070's known limit), and a whole sample of 1,000 would then miss one of them in a third of the
-probes."""
+"""A sample this readable counts as the full index: one read in 1,000 may time out on a loaded machine (a
+miss), which would otherwise hold the figure back by a whole probe."""
 
 
 def _value_of(key: str, size: int) -> bytes:
@@ -300,10 +299,14 @@ class Prober:
             codes = self.client.batch_put_from(keys, [_value_of(k, self.value_bytes) for k in keys])
             self.keys.extend(k for k, code in zip(keys, codes, strict=True) if code == 0)
 
-    def probe(self, sample: int) -> float:
-        """The fraction of ``sample`` random objects that read back with the right bytes now."""
+    def probe(self, sample: int) -> tuple[float, float | None]:
+        """The fraction of ``sample`` random objects that read back with the right bytes, and the
+        ``time.monotonic()`` at which the first of its reads that got any right bytes returned (None: none).
+        A probe spans several calls: one begun before the new leader served mixes its misses with its hits,
+        so the time of its first good read is kept apart from its start."""
         keys = self._rng.sample(self.keys, min(sample, len(self.keys)))
         good = 0
+        first_good: float | None = None
         for start in range(0, len(keys), 256):
             chunk = keys[start : start + 256]
             for key, value in zip(chunk, self.client.batch_get(chunk, timeout=2.0), strict=True):
@@ -311,9 +314,11 @@ class Prober:
                     continue
                 if value == _value_of(key, self.value_bytes):
                     good += 1
+                    if first_good is None:
+                        first_good = time.monotonic()
                 else:
                     self.wrong += 1
-        return good / len(keys) if keys else 0.0
+        return (good / len(keys) if keys else 0.0), first_good
 
     def close(self) -> None:
         self.client.close()
@@ -330,9 +335,8 @@ def _objects_of(endpoint: str) -> int:
 
 def wait_for_warm_standbys(endpoints: list[str], leader: str, objects: int, timeout: float) -> float:
     """Seconds until every standby's index has caught up: it holds ``objects`` objects, or its count has
-    not changed for 2 s (nan if neither happened in time). A standby can settle a little below the
-    leader: the store forgets an object whose range was reused before its free notification arrived
-    (decision 0070's known limit), and a failover, warm or cold, loses those objects."""
+    not changed for 2 s (nan if neither happened in time): the counts may differ for a while, e.g. a
+    revoked put whose bytes landed stays in its store's inventory until the master frees its range."""
     started = time.monotonic()
     deadline = Deadline(timeout)
     standbys = [e for e in endpoints if e != leader]
@@ -363,10 +367,12 @@ def measure_recovery(
 ) -> RecoveryResult:
     """Write ``objects``, SIGKILL the leader, then probe random samples until all of a sample reads back.
 
-    ``recovered_fraction`` is the fraction of the first probe that read anything after the new leader
-    served; ``seconds_to_full_index`` is when a sample first read back right to ``full_fraction`` (nan:
-    never; one miss in 1,000 is allowed, see FULL_INDEX_FRACTION). The new
-    leader serves from the first of: a master's GetStats says "leader", or a probe reads right."""
+    ``seconds_to_first_read`` is when the first read with the right bytes returned; ``recovered_fraction``
+    is the fraction readable in the first probe begun at or after that moment (what the new leader
+    serves once it serves: a probe begun earlier also counts the misses of its calls made before that);
+    ``seconds_to_full_index`` is when a probe first began that read back right to ``full_fraction`` (nan:
+    never; see FULL_INDEX_FRACTION). The new leader serves from the first of: a master's GetStats says
+    "leader", or a read returned right bytes."""
     endpoints = [m.address for m in cluster.masters]
     old = wait_for_leader(endpoints, timeout)
     prober = Prober(cluster.master, cluster.cluster, value_bytes)
@@ -390,12 +396,15 @@ def measure_recovery(
         deadline = Deadline(timeout)
         while not deadline.expired():
             probe_start = time.monotonic() - t0
-            fraction = prober.probe(sample)
+            fraction, first_good = prober.probe(sample)
             over_time.append([round(probe_start, 3), round(fraction, 4)])
-            if fraction > 0 and first_read != first_read:
-                first_read, recovered = probe_start, fraction
-            if fraction >= full_fraction:
-                full = probe_start
+            if first_read == first_read and recovered != recovered:
+                recovered = fraction  # the first probe begun after the first good read
+            elif first_good is not None and first_read != first_read:
+                first_read = first_good - t0
+            if fraction >= full_fraction and full != full:
+                full = max(probe_start, first_read) if first_read == first_read else probe_start
+            if full == full and recovered == recovered:
                 break
             time.sleep(0.1)
         watcher.join(timeout)
@@ -420,6 +429,126 @@ def measure_recovery(
         prober.close()
 
 
+@dataclass
+class PutRound:
+    """One round of puts into one cluster: keys/s and the latency of each call."""
+
+    warm_standbys: int
+    keys_per_s: float
+    batch_p50_ms: float
+    batch_p99_ms: float
+    single_p50_ms: float
+    single_p99_ms: float
+
+
+class PutArm:
+    """One cluster of an A/B put comparison (3 masters, 2 stores), and a client writing into it."""
+
+    def __init__(self, cluster: Any, warm: bool, value_bytes: int) -> None:
+        from kvpool.client import ClientConfig, PoolClient
+
+        self.cluster = cluster
+        self.warm = warm
+        self.value_bytes = value_bytes
+        self.client = PoolClient(
+            config=ClientConfig(master=cluster.master, use_shm=False, timeout_s=10.0, cluster=cluster.cluster)
+        )
+        self.written = 0
+
+    def round(self, objects: int, singles: int, batch: int = 32) -> PutRound:
+        """``objects`` new keys in batches of ``batch``, then ``singles`` single-key puts."""
+        keys = [f"ab-{i}" for i in range(self.written, self.written + objects + singles)]
+        self.written += len(keys)
+        values = {k: _value_of(k, self.value_bytes) for k in keys}  # made before the clock starts
+        batch_ms: list[float] = []
+        started = time.perf_counter()
+        for start in range(0, objects, batch):
+            chunk = keys[start : min(objects, start + batch)]
+            t = time.perf_counter()
+            codes = self.client.batch_put_from(chunk, [values[k] for k in chunk])
+            batch_ms.append((time.perf_counter() - t) * 1000)
+            if any(codes):
+                raise RuntimeError(f"puts failed: {sorted(set(codes))}")
+        single_ms: list[float] = []
+        for key in keys[objects:]:
+            t = time.perf_counter()
+            if self.client.put(key, values[key]) != 0:
+                raise RuntimeError(f"put of {key} failed")
+            single_ms.append((time.perf_counter() - t) * 1000)
+        elapsed = time.perf_counter() - started
+        return PutRound(
+            warm_standbys=len(self.cluster.masters) - 1 if self.warm else 0,
+            keys_per_s=len(keys) / elapsed,
+            batch_p50_ms=_percentile(batch_ms, 0.5),
+            batch_p99_ms=_percentile(batch_ms, 0.99),
+            single_p50_ms=_percentile(single_ms, 0.5),
+            single_p99_ms=_percentile(single_ms, 0.99),
+        )
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until the standbys hold what the leader holds, so a round never pays for the last one's feed."""
+        if self.warm:
+            endpoints = [m.address for m in self.cluster.masters]
+            leader = wait_for_leader(endpoints, timeout)
+            wait_for_warm_standbys(endpoints, leader, _objects_of(leader), timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_compare_puts(args: argparse.Namespace) -> int:
+    """Puts with 0 and with 2 warm standbys: two clusters up at once, rounds alternating between them
+    (the cold one first in every other pair), medians over the rounds of each."""
+    from contextlib import ExitStack
+
+    from kvpool.tools.local_cluster import LocalCluster
+
+    per_round = args.compare_puts
+    singles = max(1, per_round // 50)
+    size = _scale_size((per_round + singles) * args.runs, args.value_bytes, 2)
+    rounds: list[PutRound] = []
+    with ExitStack() as stack:
+        arms = []
+        for warm in (True, False):
+            store_args = () if warm else ("--standby-feed-interval-s", "0")
+            cluster = stack.enter_context(LocalCluster(stores=2, store_size=size, ha=True, store_args=store_args))
+            wait_for_leader([m.address for m in cluster.masters], 60.0)
+            arm = PutArm(cluster, warm, args.value_bytes)
+            stack.callback(arm.close)
+            arm.round(min(per_round, 2048), 10)  # warm-up: connections, leases of the first segments
+            arm.settle()
+            arms.append(arm)
+        for i in range(args.runs):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                rounds.append(arm.round(per_round, singles))
+                arm.settle()
+                print(f"round {i + 1}: {json.dumps(asdict(rounds[-1]))}", file=sys.stderr)
+    doc: dict[str, Any] = {"objects_per_round": per_round, "single_puts_per_round": singles, "runs": args.runs}
+    for warm in (True, False):
+        mine = [r for r in rounds if (r.warm_standbys > 0) == warm]
+        doc["warm" if warm else "cold"] = {
+            name: _median([getattr(r, name) for r in mine])
+            for name in ("keys_per_s", "batch_p50_ms", "batch_p99_ms", "single_p50_ms", "single_p99_ms")
+        }
+    doc["keys_per_s_warm_over_cold"] = doc["warm"]["keys_per_s"] / doc["cold"]["keys_per_s"]
+    doc["rounds"] = [asdict(r) for r in rounds]
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"{per_round} puts of {args.value_bytes} B per round, {args.runs} rounds each, medians:")
+        for arm_name in ("warm", "cold"):
+            print(f"  {arm_name:5s} " + "  ".join(f"{k} {v:.2f}" for k, v in doc[arm_name].items()))
+        print(f"  keys/s warm / cold: {doc['keys_per_s_warm_over_cold']:.3f}")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=positive_int, default=3, help="failovers to measure (default 3); medians printed"
@@ -436,6 +565,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cold",
         action="store_true",
         help="turn the stores' feed to the standby masters off: the new leader starts cold (the baseline)",
+    )
+    parser.add_argument(
+        "--compare-puts",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="instead of a failover: N puts per round into a cluster with 2 warm standbys and one without "
+        "(the stores' feed off), --runs rounds each, alternating; medians of keys/s and latency",
     )
     parser.add_argument("--json", action="store_true")
 
@@ -527,6 +664,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.tools.local_cluster import LocalCluster
 
+    if args.compare_puts:
+        return run_compare_puts(args)
     if args.objects > 400 or args.cold:
         return run_scale(args)
     results = []

@@ -220,5 +220,5 @@ def test_free_notifications_follow_eviction_order() -> None:
     offsets = {k: c.get(k, lease=False)[0].replicas[0].offset for k in "ab"}
     c.state.evict(2 * PAGE)
     freed = c.state.heartbeat("store1", [1], 0).freed
-    assert [off for _, off, _ in freed] == [offsets["a"], offsets["b"]]
+    assert [(off, key) for _, off, _, key in freed] == [(offsets["a"], "a"), (offsets["b"], "b")]
     c.check()

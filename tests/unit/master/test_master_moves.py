@@ -108,7 +108,7 @@ def test_a_leased_source_range_is_freed_only_when_the_lease_runs_out() -> None:
     assert engine.reap() == 1
     assert c.used(1) == 0
     # The freed range went to the source store's free-notification queue (its inventory forgets it).
-    assert res.replicas[0].offset in [o for _, o, _ in c.state.heartbeat("store1", [1]).freed]
+    assert res.replicas[0].offset in [o for _, o, _, _ in c.state.heartbeat("store1", [1]).freed]
     c.check()
 
 
@@ -277,7 +277,7 @@ def heartbeats(c: Cluster) -> None:
     for store_id, store in list(c.state._table.stores.items()):
         freed = c.state.heartbeat(store_id, sorted(store.segment_ids)).freed
         if freed:
-            c.state.heartbeat(store_id, sorted(store.segment_ids), max(q for _, _, q in freed))
+            c.state.heartbeat(store_id, sorted(store.segment_ids), max(q for _, _, q, _ in freed))
 
 
 def run_stores(m: DrainManager, c: Cluster, rounds: int = 50, ok: bool = True) -> None:

@@ -85,7 +85,7 @@ def test_periodic_reclaim_waits_for_timeout_plus_grace() -> None:
     assert c.end("a", client="gone") == [E.OBJECT_NOT_FOUND]
     assert c.state.stats().reclaimed_puts == 2
     freed = c.state.heartbeat("store1", [1], 0).freed
-    assert started.replicas[0].offset in {off for _, off, _ in freed}
+    assert (started.replicas[0].offset, "a") in {(off, key) for _, off, _, key in freed}
     c.check()
 
 
@@ -423,12 +423,12 @@ def test_heartbeat_delivers_and_trims_free_notifications() -> None:
     assert c.state.heartbeat("store1", [1], 0).freed == []
     c.remove("a", "b")
     freed = c.state.heartbeat("store1", [1], 0).freed
-    assert [(s, off) for s, off, _ in freed] == [(1, offsets["a"]), (1, offsets["b"])]
-    seqs = [seq for _, _, seq in freed]
+    assert [(s, off, key) for s, off, _, key in freed] == [(1, offsets["a"], "a"), (1, offsets["b"], "b")]
+    seqs = [seq for _, _, seq, _ in freed]
     assert seqs[1] == seqs[0] + 1
     assert c.state.heartbeat("store1", [1], seqs[0]).freed == freed[1:]  # redelivered until acked
     c.remove("c")
-    assert [off for _, off, _ in c.state.heartbeat("store1", [1], seqs[1]).freed] == [offsets["c"]]
+    assert [off for _, off, _, _ in c.state.heartbeat("store1", [1], seqs[1]).freed] == [offsets["c"]]
     c.check()
 
 
@@ -450,9 +450,9 @@ def test_free_queue_is_bounded_and_drops_the_oldest() -> None:
     store = StoreEntry("s", now=0.0, seq_base=100, limit=3)
     for offset in range(5):
         store.note_freed(1, offset * 64)
-    assert store.take(0, 10) == [(1, 128, 103), (1, 192, 104), (1, 256, 105)]
+    assert store.take(0, 10) == [(1, 128, 103, ""), (1, 192, 104, ""), (1, 256, 105, "")]
     assert store.dropped == 2
-    assert store.take(104, 10) == [(1, 256, 105)]
+    assert store.take(104, 10) == [(1, 256, 105, "")]
 
 
 def test_expire_stores_drops_the_replicas_of_silent_stores() -> None:

@@ -285,3 +285,16 @@ def test_chunked_sorted_offsets_match_a_sorted_list(ops: list[tuple[bool, int]],
             model.discard(v)
     assert list(s) == sorted(model)
     assert list(s.below(bound)) == sorted((v for v in model if v < bound), reverse=True)
+
+
+def test_drop_naming_another_key_keeps_the_newer_object_in_the_range() -> None:
+    """The master freed "a" here and reused the range for "b" before the news arrived (decision 0071)."""
+    inv = Inventory()
+    write_whole(inv, 0, 100, b"b")
+    inv.record_part(SEG, 100, 100, b"c", 1, 0, 10)  # a newer partial write is kept too
+    assert not inv.drop(SEG, 0, b"a")
+    assert not inv.drop(SEG, 100, b"a")
+    assert [e.key for e in inv.entries(SEG)] == [b"b"]
+    assert inv.pending() == 1
+    assert inv.drop(SEG, 0, b"b")
+    assert inv.entries(SEG) == []
