@@ -119,10 +119,11 @@ class Instance:
         self.worker.register_kv_caches(self.kv)
         self._free = list(range(num_blocks))
 
-    def prefill(self, request: Any, before_load: Any = None) -> Step:
+    def prefill(self, request: Any, before_load: Any = None, layer_loaded: Any = None) -> Step:
         """Schedule ``request`` whole: lookup, allocate, load (asynchronously: the request waits for its
         KV as in WAITING_FOR_REMOTE_KVS, then is scheduled), build the step's metadata.
-        ``before_load`` runs between the scheduler's lookup and the worker's load."""
+        ``before_load`` runs between the scheduler's lookup and the worker's load; ``layer_loaded(name)``
+        right after ``wait_for_layer_load(name)`` returns, where the layer's attention would run."""
         hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert hit is not None
         assert load_async == (hit > 0 and self.scheduler.load_async)
@@ -134,7 +135,7 @@ class Instance:
         if load_async:
             # the load's own step: the request is not scheduled, only its load is in the metadata
             meta = self.scheduler.build_connector_meta(_output([], {}))
-            errors, seconds = self._run_load(meta, before_load, request.request_id)
+            errors, seconds = self._run_load(meta, before_load, request.request_id, layer_loaded)
             self.scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
         new = NewRequestData(
             req_id=request.request_id,
@@ -148,12 +149,14 @@ class Instance:
         )
         self._meta = self.scheduler.build_connector_meta(_output([new], {request.request_id: request.num_tokens - hit}))
         if not load_async:
-            errors, seconds = self._run_load(self._meta, before_load, None)
+            errors, seconds = self._run_load(self._meta, before_load, None, layer_loaded)
         else:
             self.worker.bind_connector_metadata(self._meta)
         return Step(hit, ids, errors, seconds)
 
-    def _run_load(self, meta: Any, before_load: Any, wait_for: str | None) -> tuple[set[int], float]:
+    def _run_load(
+        self, meta: Any, before_load: Any, wait_for: str | None, layer_loaded: Any = None
+    ) -> tuple[set[int], float]:
         if before_load is not None:
             before_load()
         self.worker.bind_connector_metadata(meta)
@@ -161,6 +164,8 @@ class Instance:
         self.worker.start_load_kv(None)
         for name in self.kv:
             self.worker.wait_for_layer_load(name)
+            if layer_loaded is not None:
+                layer_loaded(name)
         errors = set(self.worker.get_block_ids_with_load_errors())
         if wait_for is not None:  # the model runner polls get_finished every step
             self.worker.wait_for_save()
@@ -174,6 +179,11 @@ class Instance:
                 assert time.monotonic() < end, "the asynchronous load never finished"
                 time.sleep(0.005)
         return errors, time.monotonic() - start
+
+    def save_layers(self, names: list[str] | None = None) -> None:
+        """The forward's per-layer hook: each layer's KV is in the paged cache, ``save_kv_layer`` it."""
+        for name in names if names is not None else list(self.kv):
+            self.worker.save_kv_layer(name, self.kv[name], None)
 
     def finish_step(self, request: Any, block_ids: list[int]) -> None:
         """After the forward: the worker saves, the scheduler frees - once the saves are done when the
