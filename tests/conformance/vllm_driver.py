@@ -193,6 +193,10 @@ class Instance:
         for name in names if names is not None else list(self.kv):
             self.worker.save_kv_layer(name, self.kv[name], None)
 
+    def release(self, block_ids: list[int]) -> None:
+        """Give a finished request's blocks back to the free list."""
+        self._free.extend(block_ids)
+
     def layer_names(self) -> list[str]:
         return list(self.kv)
 
