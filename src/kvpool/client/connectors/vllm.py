@@ -26,8 +26,10 @@ reported by ``get_finished`` when done; a block that fails is reported by ``get_
 with every block after it, and vLLM's ``kv_load_failure_policy`` decides: recompute, or fail the request.
 ``wait_for_save`` hands the step's full blocks to a saver thread (batched zero-copy puts, then markers);
 ``request_finished`` then returns True and vLLM keeps the blocks until ``get_finished`` reports the saves
-done. ``load_async``/``save_async`` false do both inside the step. GPU caches go through a host staging
-copy.
+done. ``load_async``/``save_async`` false do both inside the step. ``layerwise`` pipelines by layer:
+``save_kv_layer`` starts each layer's put as the layer is computed, in-step loads are one read per layer
+that ``wait_for_layer_load`` waits for, and the markers follow every layer's put. GPU caches go through a
+host staging copy.
 
 ``import kvpool.client.connectors.vllm`` works without vLLM or torch; constructing the connector without
 them raises an ImportError naming what is missing.
