@@ -22,6 +22,7 @@ import pytest
 
 from kvpool.tools.local_cluster import LocalCluster
 from tests.conformance.sglang_shim import require
+from tests.support.cluster import wait_for
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
@@ -138,13 +139,21 @@ def test_subclasses_the_real_base_classes_with_their_signatures(v: SimpleNamespa
 # --- scheduler + worker against a cluster -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "in-step"])
+MODES = {
+    "async": {"load_async": True, "save_async": True},
+    "in-step": {"load_async": False, "save_async": False},
+    # layer by layer: in-step loads waited for per layer, per-layer saves finished in the background
+    "layerwise": {"load_async": False, "save_async": True, "layerwise": True},
+}
+
+
+@pytest.mark.parametrize("mode_name", list(MODES))
 def test_a_second_instance_loads_the_saved_blocks_into_its_paged_cache(
-    v: SimpleNamespace, cluster: LocalCluster, asynchronous: bool
+    v: SimpleNamespace, cluster: LocalCluster, mode_name: str
 ) -> None:
     tokens = list(range(1000, 1000 + 5 * BS + 3))  # 5 full blocks and a partial one
-    mode = {"load_async": asynchronous, "save_async": asynchronous}
-    model = f"roundtrip-{asynchronous}"
+    mode = MODES[mode_name]
+    model = f"roundtrip-{mode_name}"
     a = instance(v, cluster.master, model=model, **mode)
     b = instance(v, cluster.master, model=model, **mode)
     try:
@@ -152,6 +161,7 @@ def test_a_second_instance_loads_the_saved_blocks_into_its_paged_cache(
         step = a.prefill(req_a)
         assert step.external_tokens == 0
         fill(v, a, step.block_ids, seed=1)
+        a.save_layers()  # the forward's save_kv_layer calls (layerwise: each starts that layer's put)
         a.finish_step(req_a, step.block_ids)  # asynchronous: returns once finished_sending reported it
 
         b._free.reverse()  # other block ids than A's: the load must follow B's own block table
@@ -257,3 +267,74 @@ def test_a_bad_extra_config_value_stops_the_engine_at_start_naming_the_key(v: Si
         instance(v, "127.0.0.1:1", model="bad", timeout_s="soon")
     with pytest.raises(ValueError, match="lookup_timeout_s"):
         instance(v, "127.0.0.1:1", model="bad", lookup_timeout_s=0)
+
+
+# --- layer by layer (layerwise) -----------------------------------------------------------------------
+
+
+def layer_equal(a: Any, a_ids: list[int], b: Any, b_ids: list[int], name: str) -> bool:
+    return all(bool((a.kv[name][:, i] == b.kv[name][:, j]).all()) for i, j in zip(a_ids, b_ids, strict=True))
+
+
+def test_layerwise_saves_start_per_layer_and_blocks_are_promised_only_when_whole(
+    v: SimpleNamespace, cluster: LocalCluster
+) -> None:
+    tokens = list(range(6000, 6000 + 3 * BS + 1))
+    mode = MODES["layerwise"]
+    a = instance(v, cluster.master, model="layer-save", **mode)
+    b = instance(v, cluster.master, model="layer-save", **mode)
+    try:
+        req = v.driver.make_request("a", tokens, BS)
+        step = a.prefill(req)
+        fill(v, a, step.block_ids, seed=6)
+        names = list(a.kv)
+        hashes = a.scheduler._hashes(req)[:3]
+        first_layer = [a.worker.object_key(h, 0, part) for h in hashes for part in (0, 1)]
+        a.save_layers(names[:1])  # layer 0 is computed; the forward goes on with the others
+        wait_for(lambda: all(e == 1 for e in a.worker.pool.batch_exists(first_layer)), 30, "layer 0 saved")
+        # the blocks' other layers are not in yet: no marker, so no instance is promised them
+        assert b.scheduler.get_num_new_matched_tokens(v.driver.make_request("probe", tokens, BS), 0) == (0, False)
+        a.save_layers(names[1:])
+        a.finish_step(req, step.block_ids)
+
+        def each_layer_is_in_when_its_wait_returns(name: str) -> None:
+            assert layer_equal(a, step.block_ids[:3], b, got_ids[:3], name), name
+
+        b._free.reverse()
+        got_ids = b._free[:4]  # the blocks B's prefill will allocate
+        got = b.prefill(v.driver.make_request("b", tokens, BS), layer_loaded=each_layer_is_in_when_its_wait_returns)
+        assert got.block_ids == got_ids
+        assert got.external_tokens == 3 * BS
+        assert got.load_errors == set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_layerwise_a_layer_that_fails_to_load_reports_its_blocks_for_recompute(
+    v: SimpleNamespace, cluster: LocalCluster
+) -> None:
+    tokens = list(range(7000, 7000 + 4 * BS + 1))
+    mode = MODES["layerwise"]
+    a = instance(v, cluster.master, model="layer-lost", **mode)
+    b = instance(v, cluster.master, model="layer-lost", **mode)
+    try:
+        req = v.driver.make_request("a", tokens, BS)
+        step = a.prefill(req)
+        fill(v, a, step.block_ids, seed=7)
+        a.save_layers()
+        a.finish_step(req, step.block_ids)
+        # Between B's lookup and its load, block 2's layer-2 K object disappears (evicted, say).
+        victim = a.worker.object_key(a.scheduler._hashes(req)[2], 2, 0)
+
+        def lose() -> None:
+            assert a.worker.pool.remove(victim, force=True) == 0
+
+        got = b.prefill(v.driver.make_request("b", tokens, BS), before_load=lose)
+        assert got.external_tokens == 4 * BS
+        # layers 0 and 1 of blocks 2 and 3 loaded, but a block is whole or recomputed: 2 and 3 are reported
+        assert got.load_errors == set(got.block_ids[2:4])
+        assert blocks_equal(a, step.block_ids[:2], b, got.block_ids[:2])
+    finally:
+        a.close()
+        b.close()

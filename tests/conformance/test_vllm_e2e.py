@@ -77,6 +77,7 @@ def reads(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> di
     wrote = run_worker("write", "--master", cluster.master, "--seed", SEED, "--prompt-len", "256")
     assert wrote["external_tokens"] == 0
     assert wrote["blocks"] == 16
+    assert wrote["layerwise"]["external_tokens"] == 0
     go = tmp_path_factory.mktemp("vllm-pause") / "go"
     reader = subprocess.Popen(
         [sys.executable, str(WORKER), "read", "--master", cluster.master, "--seed", SEED, "--prompt-len", "256"]
@@ -117,6 +118,17 @@ def test_a_second_vllm_process_loads_the_prefix_and_gets_the_same_logits(reads: 
     assert got["suffix_tokens"] == 40
     assert got["max_abs_diff"] <= 1e-4, got
     assert got["control_diff"] > 1e-2, got  # without the loaded KV the logits are clearly different
+
+
+def test_layer_by_layer_saves_and_loads_give_the_same_logits(reads: dict[str, Any]) -> None:
+    """Saved from inside A's forward as each layer finished, loaded while B's forward ran, each layer
+    waited for just before it ran."""
+    got = reads["layerwise"]
+    assert got["external_tokens"] == 256, got
+    assert got["load_errors"] == 0
+    assert got["waited_layers"] == [0, 1, 2, 3]
+    assert got["reused_tokens"] == 256
+    assert got["max_abs_diff"] <= 1e-4, got
 
 
 def test_a_pool_that_stops_during_the_load_means_recompute_within_the_deadline(reads: dict[str, Any]) -> None:

@@ -10,6 +10,8 @@ K object and a V object, each ``[page_size, layers, kv_heads, head_dim]`` contig
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,6 +62,30 @@ def kv_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers 4.x
+
+
+def empty_cache() -> Any:
+    """A cache to pass to :func:`forward` that the caller can watch fill, layer by layer."""
+    return DynamicCache()
+
+
+@contextmanager
+def layer_hooks(
+    model: Any, before: Callable[[int], None] | None = None, after: Callable[[int], None] | None = None
+) -> Iterator[None]:
+    """Call ``before(i)`` as decoder layer ``i`` starts and ``after(i)`` once it has run (its KV is then in
+    the cache): where vLLM's attention calls ``wait_for_layer_load`` and ``save_kv_layer``."""
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        if before is not None:
+            handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: before(i)))
+        if after is not None:
+            handles.append(layer.register_forward_hook(lambda _m, _a, _o, i=i: after(i)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

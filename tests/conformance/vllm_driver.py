@@ -118,11 +118,17 @@ class Instance:
         }
         self.worker.register_kv_caches(self.kv)
         self._free = list(range(num_blocks))
+        self._forward_ended = False
 
-    def prefill(self, request: Any, before_load: Any = None) -> Step:
+    def prefill(
+        self, request: Any, before_load: Any = None, layer_loaded: Any = None, forward_waits: bool = False
+    ) -> Step:
         """Schedule ``request`` whole: lookup, allocate, load (asynchronously: the request waits for its
         KV as in WAITING_FOR_REMOTE_KVS, then is scheduled), build the step's metadata.
-        ``before_load`` runs between the scheduler's lookup and the worker's load."""
+        ``before_load`` runs between the scheduler's lookup and the worker's load; ``layer_loaded(name)``
+        right after ``wait_for_layer_load(name)`` returns, where the layer's attention would run.
+        ``forward_waits`` (in-step loads): only ``start_load_kv`` runs here; the caller's forward waits for
+        each layer, and :meth:`end_forward` collects the load errors."""
         hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert hit is not None
         assert load_async == (hit > 0 and self.scheduler.load_async)
@@ -134,7 +140,7 @@ class Instance:
         if load_async:
             # the load's own step: the request is not scheduled, only its load is in the metadata
             meta = self.scheduler.build_connector_meta(_output([], {}))
-            errors, seconds = self._run_load(meta, before_load, request.request_id)
+            errors, seconds = self._run_load(meta, before_load, request.request_id, layer_loaded)
             self.scheduler.update_state_after_alloc(request, KVCacheBlocks(([],)), 0)
         new = NewRequestData(
             req_id=request.request_id,
@@ -147,13 +153,18 @@ class Instance:
             lora_request=None,
         )
         self._meta = self.scheduler.build_connector_meta(_output([new], {request.request_id: request.num_tokens - hit}))
-        if not load_async:
-            errors, seconds = self._run_load(self._meta, before_load, None)
+        if not load_async and forward_waits:
+            self.worker.bind_connector_metadata(self._meta)
+            self.worker.start_load_kv(None)
+        elif not load_async:
+            errors, seconds = self._run_load(self._meta, before_load, None, layer_loaded)
         else:
             self.worker.bind_connector_metadata(self._meta)
         return Step(hit, ids, errors, seconds)
 
-    def _run_load(self, meta: Any, before_load: Any, wait_for: str | None) -> tuple[set[int], float]:
+    def _run_load(
+        self, meta: Any, before_load: Any, wait_for: str | None, layer_loaded: Any = None
+    ) -> tuple[set[int], float]:
         if before_load is not None:
             before_load()
         self.worker.bind_connector_metadata(meta)
@@ -161,6 +172,8 @@ class Instance:
         self.worker.start_load_kv(None)
         for name in self.kv:
             self.worker.wait_for_layer_load(name)
+            if layer_loaded is not None:
+                layer_loaded(name)
         errors = set(self.worker.get_block_ids_with_load_errors())
         if wait_for is not None:  # the model runner polls get_finished every step
             self.worker.wait_for_save()
@@ -175,10 +188,30 @@ class Instance:
                 time.sleep(0.005)
         return errors, time.monotonic() - start
 
+    def save_layers(self, names: list[str] | None = None) -> None:
+        """The forward's per-layer hook: each layer's KV is in the paged cache, ``save_kv_layer`` it."""
+        for name in names if names is not None else list(self.kv):
+            self.worker.save_kv_layer(name, self.kv[name], None)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Give a finished request's blocks back to the free list."""
+        self._free.extend(block_ids)
+
+    def layer_names(self) -> list[str]:
+        return list(self.kv)
+
+    def end_forward(self) -> set[int]:
+        """The model runner after a forward: ``wait_for_save``, then the blocks whose load failed."""
+        self.worker.wait_for_save()
+        self._forward_ended = True
+        return set(self.worker.get_block_ids_with_load_errors())
+
     def finish_step(self, request: Any, block_ids: list[int]) -> None:
         """After the forward: the worker saves, the scheduler frees - once the saves are done when the
         connector asks to delay the free."""
-        self.worker.wait_for_save()
+        if not self._forward_ended:
+            self.worker.wait_for_save()
+        self._forward_ended = False
         self.worker.clear_connector_metadata()
         delay, _ = self.scheduler.request_finished_all_groups(request, (block_ids,))
         finished = {request.request_id}
@@ -201,6 +234,24 @@ class Instance:
                 block, off = block_ids[pos // self.block_size], pos % self.block_size
                 cache[0, block, off] = k[0, :, t]
                 cache[1, block, off] = v[0, :, t]
+
+    def write_layer_tokens(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: list[int], start: int
+    ) -> None:
+        """One layer's K/V ``[1, heads, n, dim]`` for tokens ``start..start+n`` into the paged cache."""
+        cache = list(self.kv.values())[layer]
+        for t in range(k.shape[2]):
+            pos = start + t
+            block, off = block_ids[pos // self.block_size], pos % self.block_size
+            cache[0, block, off] = k[0, :, t]
+            cache[1, block, off] = v[0, :, t]
+
+    def read_layer_tokens(self, layer: int, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V ``[1, heads, n, dim]`` of the first ``n`` tokens, from the paged cache."""
+        cache = list(self.kv.values())[layer]
+        k = torch.stack([cache[0, block_ids[p // self.block_size], p % self.block_size] for p in range(n)], dim=1)
+        v = torch.stack([cache[1, block_ids[p // self.block_size], p % self.block_size] for p in range(n)], dim=1)
+        return k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
 
     def read_tokens(self, block_ids: list[int], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V ``[1, heads, n, dim]`` of the first ``n`` tokens, from the paged cache."""

@@ -28,9 +28,10 @@ import vllm_driver as vd
 
 BLOCK = 16
 HEAD_DIM = 32  # hidden 128 / 4 query heads
+LAYERWISE = {"layerwise": True, "load_async": False, "save_async": True}
 
 
-def instance(args: argparse.Namespace, model: Any, **extra: Any) -> Any:
+def instance(args: argparse.Namespace, model: Any, name: str = "", **extra: Any) -> Any:
     extra = {"master": args.master, **extra}
     return vd.Instance(
         extra,
@@ -39,7 +40,7 @@ def instance(args: argparse.Namespace, model: Any, **extra: Any) -> Any:
         head_dim=HEAD_DIM,
         block_size=BLOCK,
         num_blocks=64,
-        model=f"tiny-llama-{args.seed}",
+        model=name or f"tiny-llama-{args.seed}",
     )
 
 
@@ -56,7 +57,37 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
         metrics = inst.worker.pool.metrics()
     finally:
         inst.close()
-    return {"external_tokens": step.external_tokens, "blocks": len(prompt) // BLOCK, "metrics": metrics}
+    layerwise = write_layerwise(args, model, prompt)
+    return {
+        "external_tokens": step.external_tokens,
+        "blocks": len(prompt) // BLOCK,
+        "metrics": metrics,
+        "layerwise": layerwise,
+    }
+
+
+def write_layerwise(args: argparse.Namespace, model: Any, prompt: list[int]) -> dict[str, Any]:
+    """The prompt again, under a namespace of its own, saved layer by layer from inside the forward: as
+    each decoder layer finishes, its KV goes into the paged cache and ``save_kv_layer`` starts its put."""
+    inst = instance(args, model, name=f"tiny-llama-{args.seed}-layerwise", **LAYERWISE)
+    try:
+        request = vd.make_request("write-layerwise", prompt, BLOCK)
+        step = inst.prefill(request)
+        cache = tl.empty_cache()
+        names = inst.layer_names()
+
+        def saved(layer: int) -> None:
+            k, v = tl.kv_layers(cache)[layer]
+            inst.write_layer_tokens(layer, k, v, step.block_ids, 0)
+            inst.worker.save_kv_layer(names[layer], inst.kv[names[layer]], None)
+
+        with tl.layer_hooks(model, after=saved):
+            tl.forward(model, prompt, cache)
+        inst.end_forward()
+        inst.finish_step(request, step.block_ids)
+    finally:
+        inst.close()
+    return {"external_tokens": step.external_tokens}
 
 
 def _wait_for(path: Path, timeout: float) -> None:
@@ -76,7 +107,55 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
             _wait_for(Path(args.pause_file), 60)
 
         result["failed_pool"] = read_once(args, "read-paused", pause, timeout_s=args.timeout_s, use_shm=False)
+    result["layerwise"] = read_layerwise(args)
     return result
+
+
+def read_layerwise(args: argparse.Namespace) -> dict[str, Any]:
+    """prompt + turn against the layerwise namespace: ``start_load_kv`` queues one read per layer, the
+    forward waits for each layer's blocks just before that layer runs; load errors are collected after
+    the forward, as vLLM's model runner does, and the failed blocks recomputed."""
+    model = tl.load_model(args.seed)
+    full = tl.tokens(args.seed, args.prompt_len) + tl.tokens(args.seed + 1, args.turn_len)
+    inst = instance(args, model, name=f"tiny-llama-{args.seed}-layerwise", **LAYERWISE)
+    try:
+        request = vd.make_request("read-layerwise", full, BLOCK)
+        step = inst.prefill(request, forward_waits=True)
+        hit = step.external_tokens
+        names = inst.layer_names()
+        heads = model.config.num_key_value_heads
+        cache = tl.cache_from_layers(
+            [(torch.zeros(1, heads, hit, HEAD_DIM), torch.zeros(1, heads, hit, HEAD_DIM)) for _ in names]
+        )
+        waited: list[int] = []
+
+        def loaded(layer: int) -> None:
+            inst.worker.wait_for_layer_load(names[layer])
+            waited.append(layer)
+            k, v = inst.read_layer_tokens(layer, step.block_ids, hit)
+            target_k, target_v = tl.kv_layers(cache)[layer]
+            target_k.copy_(k)
+            target_v.copy_(v)
+
+        with tl.layer_hooks(model, before=loaded):
+            suffix_logits, _ = tl.forward(model, full[hit:], cache)
+        errors = inst.end_forward()
+        failed_at = min((step.block_ids.index(b) for b in errors), default=None)
+        reused = hit if failed_at is None else failed_at * BLOCK
+        if reused != hit:  # vLLM's recompute policy: from the first failed block on
+            prefix = tl.cache_from_layers(inst.read_tokens(step.block_ids, reused)) if reused else None
+            suffix_logits, _ = tl.forward(model, full[reused:], prefix)
+        inst.finish_step(request, step.block_ids)
+    finally:
+        inst.close()
+    full_logits, _ = tl.forward(model, full)
+    return {
+        "external_tokens": hit,
+        "load_errors": len(errors),
+        "waited_layers": waited,
+        "reused_tokens": reused,
+        "max_abs_diff": float((suffix_logits - full_logits[:, reused:]).abs().max()),
+    }
 
 
 def read_once(args: argparse.Namespace, req_id: str, pause: Any, **extra: Any) -> dict[str, Any]:

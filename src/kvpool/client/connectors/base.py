@@ -142,12 +142,19 @@ class PoolConnector:
             log.warning("kvpool %s connector: lookup failed, treated as a miss: %s", self.engine, exc)
             return 0
 
-    def read_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[bool]:
-        """Per key: were exactly ``size`` bytes read into ``ptr``? Failures are False, never raised."""
+    def read_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
+    ) -> list[bool]:
+        """Per key: were exactly ``size`` bytes read into ``ptr``? Failures are False, never raised.
+        ``timeout`` (default ``timeout_s``): a caller's remaining deadline; spent, every key fails."""
         if not keys:
             return []
+        if timeout is not None and timeout <= 0:
+            return [False] * len(keys)
         try:
-            codes = self.pool.batch_get_into_ptrs(keys, ptrs, sizes, timeout=self.settings.timeout_s)
+            codes = self.pool.batch_get_into_ptrs(
+                keys, ptrs, sizes, timeout=self.settings.timeout_s if timeout is None else timeout
+            )
         except Exception as exc:
             log.warning("kvpool %s connector: read of %d objects failed: %s", self.engine, len(keys), exc)
             return [False] * len(keys)

@@ -26,8 +26,10 @@ reported by ``get_finished`` when done; a block that fails is reported by ``get_
 with every block after it, and vLLM's ``kv_load_failure_policy`` decides: recompute, or fail the request.
 ``wait_for_save`` hands the step's full blocks to a saver thread (batched zero-copy puts, then markers);
 ``request_finished`` then returns True and vLLM keeps the blocks until ``get_finished`` reports the saves
-done. ``load_async``/``save_async`` false do both inside the step. GPU caches go through a host staging
-copy.
+done. ``load_async``/``save_async`` false do both inside the step. ``layerwise`` pipelines by layer:
+``save_kv_layer`` starts each layer's put as the layer is computed, in-step loads are one read per layer
+that ``wait_for_layer_load`` waits for, and the markers follow every layer's put. GPU caches go through a
+host staging copy.
 
 ``import kvpool.client.connectors.vllm`` works without vLLM or torch; constructing the connector without
 them raises an ImportError naming what is missing.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,7 +85,7 @@ else:
 MARKER = b"kvpool-block\x00\x00\x00\x00"
 """The value of a block's marker object; only its presence is read."""
 
-_KNOWN_KEYS = frozenset({"save_decode", "load_async", "save_async"})
+_KNOWN_KEYS = frozenset({"save_decode", "load_async", "save_async", "layerwise"})
 
 
 @dataclass
@@ -113,6 +116,15 @@ class _RequestState:
     """Leading blocks already in the pool (loaded, or saved by an earlier step)."""
     saving: bool = False
     """A save was scheduled: with asynchronous saves, freeing waits for the worker's finished_sending."""
+
+
+@dataclass
+class _LayerSave:
+    """The per-layer saves of one step (layerwise): per transfer of ``meta.saves``, per layer, whether each
+    of its blocks' objects went in."""
+
+    transfers: list[BlockTransfer]
+    layers: dict[int, Future[list[list[bool]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +173,7 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         self.save_decode = bool(typed(extra, "save_decode", bool, True))
         self.load_async = bool(typed(extra, "load_async", bool, True))
         self.save_async = bool(typed(extra, "save_async", bool, True))
+        self.layerwise = bool(typed(extra, "layerwise", bool, False))
         self.is_producer = bool(getattr(transfer, "is_kv_producer", True))
         self.is_consumer = bool(getattr(transfer, "is_kv_consumer", True))
         self.tp_size = int(_attr(vllm_config, "parallel_config.tensor_parallel_size", 1))
@@ -192,6 +205,10 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         self._sending: dict[str, list[Future[None]]] = {}
         self._finished_waiting: set[str] = set()  # finished requests whose saves are still running
         self._loads_failed = 0
+        # layer-by-layer pipelining (layerwise): this step's per-layer loads and saves
+        self._layer_of: dict[str, int] = {}
+        self._layer_loads: dict[int, Future[None]] = {}
+        self._layer_save: _LayerSave | None = None
         log.info(
             "kvpool vLLM connector (%s): master %s, namespace %s, groups %s",
             getattr(role, "name", role),
@@ -337,6 +354,7 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
             per_block = tensor.select(0, 0) if parts == 2 else tensor
             order = sorted(range(per_block.dim()), key=lambda d: -per_block.stride(d))
             layout = "p" * (parts == 2) + "".join(str(d) for d in order)
+            self._layer_of[name] = len(self._layers)
             self._layers.append(_LayerRegion(name, group_of.get(name, self.groups[0]), tensor, parts, layout))
             inner = 1
             for size in per_block.shape[1:]:
@@ -355,14 +373,17 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
         return {name: g for g, group in enumerate(groups) for name in group.layer_names}
 
-    def _regions(self, transfer: BlockTransfer) -> tuple[list[str], list[Any], list[int]]:
-        """Object keys, tensors and owning block index (into ``transfer.hashes``), block-major."""
+    def _regions(
+        self, transfer: BlockTransfer, only_layer: int | None = None
+    ) -> tuple[list[str], list[Any], list[int]]:
+        """Object keys, tensors and owning block index (into ``transfer.hashes``), block-major; all
+        layers, or ``only_layer``."""
         keys: list[str] = []
         tensors: list[Any] = []
         owner: list[int] = []
         for b, block_hash in enumerate(transfer.hashes):
             for layer, region in enumerate(self._layers):
-                if region.group not in transfer.block_ids:
+                if region.group not in transfer.block_ids or only_layer not in (None, layer):
                     continue
                 block_id = transfer.block_ids[region.group][b]
                 for part in range(region.parts):
@@ -376,6 +397,9 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         """Read this step's hit blocks into the paged cache, before the forward needs them."""
         meta = self._connector_metadata
         if not isinstance(meta, KvPoolConnectorMetadata) or not self._layers:
+            return
+        if self.layerwise and not self.load_async:
+            self._start_layer_loads([t for t in meta.loads if t.hashes])
             return
         for transfer in meta.loads:
             if not transfer.hashes:
@@ -396,8 +420,89 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         except Exception as exc:  # whatever went wrong, no block of this load may count as loaded
             log.error("kvpool vLLM connector: load of request %s failed: %s", transfer.req_id, exc)
             failed_at = 0
-        if failed_at is None:
+        if failed_at is not None:
+            self._load_failed(transfer, failed_at)
+
+    # --- layer-by-layer pipelining (layerwise) ----------------------------------------------------
+
+    def _start_layer_loads(self, transfers: list[BlockTransfer]) -> None:
+        """One batched read per layer (every request of the step), queued in layer order on the loader
+        thread, all under one deadline: the forward waits for each layer just before it needs it."""
+        if not transfers:
             return
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-vllm-load")
+        deadline = time.monotonic() + self._pool_side.settings.timeout_s
+        for layer in range(len(self._layers)):
+            self._layer_loads[layer] = self._loader.submit(self._load_layer, transfers, layer, deadline)
+
+    def _load_layer(self, transfers: list[BlockTransfer], layer: int, deadline: float) -> None:
+        keys, tensors, owners = self._layer_batch(transfers, layer)
+        try:
+            ok = _move(self._pool_side, keys, tensors, read=True, timeout=deadline - time.monotonic())
+        except Exception as exc:  # no block of this layer may count as loaded
+            log.error("kvpool vLLM connector: load of layer %d failed: %s", layer, exc)
+            ok = [False] * len(keys)
+        failed: dict[int, int] = {}  # transfer -> its first block whose object did not load
+        for (t, b), good in zip(owners, ok, strict=True):
+            if not good:
+                failed[t] = min(failed.get(t, b), b)
+        for t, first in failed.items():
+            self._load_failed(transfers[t], first)
+
+    def _layer_batch(
+        self, transfers: list[BlockTransfer], layer: int
+    ) -> tuple[list[str], list[Any], list[tuple[int, int]]]:
+        """One layer's objects of every transfer: keys, tensors, (transfer, block) owners."""
+        keys: list[str] = []
+        tensors: list[Any] = []
+        owners: list[tuple[int, int]] = []
+        for t, transfer in enumerate(transfers):
+            k, ts, blocks = self._regions(transfer, only_layer=layer)
+            keys += k
+            tensors += ts
+            owners += [(t, b) for b in blocks]
+        return keys, tensors, owners
+
+    def _wait_layer_loads(self, layers: list[int]) -> None:
+        """Each read has the step's deadline, so this ends by it."""
+        for layer in layers:
+            future = self._layer_loads.pop(layer, None)
+            if future is not None:
+                future.result()
+
+    def _save_layer(self, pending: _LayerSave, layer: int) -> None:
+        """Queue one batched zero-copy write of this layer's blocks of the step's saves (once)."""
+        if layer in pending.layers:
+            return
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-vllm-save")
+        pending.layers[layer] = self._saver.submit(self._write_layer, pending.transfers, layer)
+
+    def _write_layer(self, transfers: list[BlockTransfer], layer: int) -> list[list[bool]]:
+        keys, tensors, owners = self._layer_batch(transfers, layer)
+        ok = _move(self._pool_side, keys, tensors, read=False)
+        complete = [[True] * len(t.hashes) for t in transfers]
+        for (t, b), good in zip(owners, ok, strict=True):
+            complete[t][b] = complete[t][b] and good
+        return complete
+
+    def _finish_layer_saves(self, pending: _LayerSave) -> None:
+        """After every layer's write: the markers of each transfer's leading complete blocks."""
+        complete = [[True] * len(t.hashes) for t in pending.transfers]
+        for future in pending.layers.values():
+            try:
+                per_transfer = future.result()
+            except Exception as exc:  # a layer that did not save leaves its blocks without markers
+                log.warning("kvpool vLLM connector: a layer save failed: %s", exc)
+                per_transfer = [[False] * len(t.hashes) for t in pending.transfers]
+            for mine, theirs in zip(complete, per_transfer, strict=True):
+                mine[:] = [a and b for a, b in zip(mine, theirs, strict=True)]
+        for transfer, blocks in zip(pending.transfers, complete, strict=True):
+            self._write_markers(transfer, blocks)
+
+    def _load_failed(self, transfer: BlockTransfer, failed_at: int) -> None:
+        """Blocks ``failed_at`` and after of ``transfer`` are reported for recompute."""
         self._loads_failed += 1
         with self._errors_lock:
             for g, ids in transfer.block_ids.items():
@@ -411,17 +516,38 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete inside ``start_load_kv``."""
+        """layerwise: wait for this layer's blocks only. Otherwise loads complete inside ``start_load_kv``
+        (or, asynchronous, before the request is scheduled)."""
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self._wait_layer_loads([layer])
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Blocks are saved whole, all layers at once, in ``wait_for_save``."""
+        """layerwise: start saving this layer's blocks of the step as soon as the layer is computed (one
+        batched zero-copy put per layer). Otherwise blocks are saved whole in ``wait_for_save``."""
+        if not self.layerwise or not self._layers:
+            return
+        if self._layer_save is None:
+            meta = self._connector_metadata
+            saves = [t for t in meta.saves if t.hashes] if isinstance(meta, KvPoolConnectorMetadata) else []
+            if not saves or (self.mla and self.tp_rank != 0):
+                return
+            self._layer_save = _LayerSave(saves)
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self._save_layer(self._layer_save, layer)
 
     def wait_for_save(self) -> None:
-        """Write this step's newly full blocks (one batched put), then their markers."""
+        """Write this step's newly full blocks (one batched put), then their markers. layerwise: the
+        layers the forward did not save go now; the markers follow every layer's put."""
+        self._wait_layer_loads(list(self._layer_loads))  # every load error is known when the step ends
         meta = self._connector_metadata
         if not isinstance(meta, KvPoolConnectorMetadata) or not self._layers:
             return
         writer = not (self.mla and self.tp_rank != 0)  # MLA: one copy, written by TP rank 0
+        if self.layerwise:
+            self._wait_for_layer_saves(meta, writer)
+            return
         for transfer in meta.saves:
             if not transfer.hashes:
                 continue
@@ -436,12 +562,37 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
                     self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-vllm-save")
                 futures.append(self._saver.submit(self._save, transfer))
 
+    def _wait_for_layer_saves(self, meta: KvPoolConnectorMetadata, writer: bool) -> None:
+        pending, self._layer_save = self._layer_save, None
+        saves = [t for t in meta.saves if t.hashes]
+        if not saves:
+            return
+        if writer:
+            pending = pending or _LayerSave(saves)
+            for layer in range(len(self._layers)):
+                self._save_layer(pending, layer)
+        if not self.save_async:
+            if pending is not None:
+                self._finish_layer_saves(pending)
+            return
+        # Every rank tracks the request (vLLM waits for all of them), only writers write. The saver
+        # thread runs in order: the markers' task starts after the layers' puts.
+        for transfer in saves:
+            self._sending.setdefault(transfer.req_id, [])
+        if pending is not None and self._saver is not None:
+            future = self._saver.submit(self._finish_layer_saves, pending)
+            for transfer in saves:
+                self._sending[transfer.req_id].append(future)
+
     def _save(self, transfer: BlockTransfer) -> None:
         keys, tensors, owner = self._regions(transfer)
         ok = _move(self._pool_side, keys, tensors, read=False)
         complete = [True] * len(transfer.hashes)
         for i, good in enumerate(ok):
             complete[owner[i]] = complete[owner[i]] and good
+        self._write_markers(transfer, complete)
+
+    def _write_markers(self, transfer: BlockTransfer, complete: list[bool]) -> None:
         done = [
             self.marker_key(h, self.tp_rank, self.pp_rank) for h, c in zip(transfer.hashes, complete, strict=True) if c
         ]
@@ -481,8 +632,11 @@ class KvPoolConnector(_Base, _HMA):  # type: ignore[misc]
         self._pool_side.close()
 
 
-def _move(side: PoolConnector, keys: Sequence[str], tensors: Sequence[Any], read: bool) -> list[bool]:
-    """Read into (or write from) the tensors: zero-copy for host tensors, a staging copy otherwise."""
+def _move(
+    side: PoolConnector, keys: Sequence[str], tensors: Sequence[Any], read: bool, timeout: float | None = None
+) -> list[bool]:
+    """Read into (or write from) the tensors: zero-copy for host tensors, a staging copy otherwise.
+    ``timeout``: the read's deadline instead of ``timeout_s`` (a step's layer reads share one)."""
     if not keys:
         return []
     staged = [t if t.device.type == "cpu" and t.is_contiguous() else None for t in tensors]
@@ -490,7 +644,7 @@ def _move(side: PoolConnector, keys: Sequence[str], tensors: Sequence[Any], read
     ptrs = [int(b.data_ptr()) for b in buffers]
     sizes = [int(b.numel() * b.element_size()) for b in buffers]
     if read:
-        ok = side.read_into(keys, ptrs, sizes)
+        ok = side.read_into(keys, ptrs, sizes, timeout=timeout)
         for t, s, b, good in zip(tensors, staged, buffers, ok, strict=True):
             if s is None and good:
                 t.copy_(b)
