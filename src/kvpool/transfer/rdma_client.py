@@ -107,6 +107,7 @@ class _Connection:
         for region in regions:
             self._regions.setdefault(region.segment_id, []).append(region)
         self._depth = depth
+        self._clock = clock
         self._lock = threading.Lock()
         self._record_lock = threading.Lock()  # one RECORD exchange at a time on the control connection
         self._pending: deque[_Chunk] = deque()
@@ -193,8 +194,15 @@ class _Connection:
     def _post_window(self) -> None:
         qp = self._qp
         assert qp is not None
+        now_ms = self._clock.wall_ms() if self._pending else 0
         while self._pending and len(self._inflight) < self._depth and self.broken is None:
             chunk = self._pending[0]
+            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
+                # Its window may be gone (or go while the request is on the NIC), and a request that hits a
+                # dead window kills the QP with everyone's work on it: fail just this one (decision 0021).
+                self._pending.popleft()
+                chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
+                continue
             p = chunk.piece
             self._next_wr += 1
             wr = WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey)
@@ -476,7 +484,7 @@ class RdmaTransport(Transport):
 
     # ---- transfers
     def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
-        batch = _Batch(len(requests), deadline, self._poll_interval)
+        batch = _Batch(len(requests), deadline, self._poll_interval, self._clock)
         by_endpoint: dict[str, list[tuple[int, TransferRequest, memoryview]]] = {}
         for index, req in enumerate(requests):
             view = self._check(index, req, batch)
@@ -603,7 +611,8 @@ class RdmaTransport(Transport):
             batch.fail(index, exc.code)
             return []
         opcode = Opcode.RDMA_READ if req.op == GrantOp.READ else Opcode.RDMA_WRITE
-        return [_Chunk(batch, conn, index, opcode, piece) for piece in pieces]
+        expiry = req.replica.expiry_ms
+        return [_Chunk(batch, conn, index, opcode, piece, expiry) for piece in pieces]
 
     # ---- connections
     def _peer(self, endpoint: str) -> _Peer:
