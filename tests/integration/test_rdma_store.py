@@ -22,7 +22,9 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.tools.local_cluster import LocalCluster
 from kvpool.transfer.base import Replica, TransferRequest, replica_of
 from kvpool.transfer.rdma_client import RdmaTransport
+from kvpool.transfer.rdma_rails import buffer_numa_node
 from kvpool.transfer.rdma_wire import fetch_store_info, open_control
+from kvpool.transfer.verbs import buffer_address
 from kvpool.transfer.verbs_fake_ipc import IpcFakeFabric, IpcFakeVerbs
 from tests.support.cluster import FAST_MASTER, client, wait_for
 
@@ -237,3 +239,28 @@ def _data_auth_refusals(metrics_endpoint: str) -> float:
     text = urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=10).read().decode()
     name = 'kvpool_store_auth_refused_total{plane="data"}'
     return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)), 0.0)
+
+
+def test_two_nics_stripe_large_objects_and_keep_small_ones_on_the_numa_local_nic(
+    fake_nic: Path, make_cluster: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two fake NICs in the store and in this client; fake_mlx5_1 claims the NUMA node this machine's memory is on.
+    node = buffer_numa_node(buffer_address(memoryview(bytearray(4096))))
+    monkeypatch.setenv("KVPOOL_FAKE_VERBS_DEVICES", f"fake_mlx5_0:{node + 1},fake_mlx5_1:{node}")
+    cluster = make_cluster(stores=1, store_size="32MiB")
+    big, small = os.urandom(4 << 20), os.urandom(64 << 10)
+    with client(cluster.master) as pool:
+        moved = dict(IpcFakeFabric.bytes_by_device)
+        assert pool.put("big", big) == 0
+        assert pool.get("big") == big
+        after_big = dict(IpcFakeFabric.bytes_by_device)
+        assert pool.put("small", small) == 0
+        assert pool.get("small") == small
+        metrics = pool.metrics()
+        info = fetch_store_info(_replica(pool, "big").tcp_endpoint)
+    grown = {d: after_big.get(d, 0) - moved.get(d, 0) for d in ("fake_mlx5_0", "fake_mlx5_1")}
+    assert grown == {"fake_mlx5_0": 4 << 20, "fake_mlx5_1": 4 << 20}  # half of the put and half of the get each
+    assert IpcFakeFabric.bytes_by_device["fake_mlx5_0"] == after_big["fake_mlx5_0"]  # small: not on this one
+    assert IpcFakeFabric.bytes_by_device["fake_mlx5_1"] - after_big["fake_mlx5_1"] == 2 * len(small)
+    assert (metrics["bytes_rdma"], metrics["bytes_tcp"]) == (2 * (len(big) + len(small)), 0)
+    assert info["rdma"]["devices"] == ["fake_mlx5_0", "fake_mlx5_1"]  # the store serves on both

@@ -56,6 +56,8 @@ class _Batch(TransferBatch):
         self.writes: list[tuple[int, TransferRequest, _Connection]] = []
         """WRITE requests, to RECORD with their store once their bytes landed."""
         self._finished = False
+        self.record = True
+        """Whether ``wait`` RECORDs the written objects (False: the caller does, see ``submit_parts``)."""
         self.earliest_expiry_ms = 0
         """The soonest grant expiry of the work requests on the NIC (0: none), see ``_drive``."""
 
@@ -90,7 +92,8 @@ class _Batch(TransferBatch):
     def wait(self, deadline: Deadline) -> list[ErrorCode]:
         if not self._finished:
             self._drive(deadline)
-            self._record_writes(deadline)
+            if self.record:
+                self._record_writes(deadline)
             for reg in self.temporary:
                 reg.close()
             self.temporary = []

@@ -10,9 +10,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
@@ -331,12 +331,24 @@ class _Peer:
     endpoint: str
     segments: frozenset[int] = frozenset()
     rdma: bool = False
+    devices: tuple[str, ...] = ()
+    """The store's RDMA devices (STORE_INFO); a client's rail N connects to device N modulo their number."""
     conn: _Connection | None = None
     down_until: float = 0.0
     failures: int = 0
     learned_at: float = float("-inf")
     """When STORE_INFO was last asked (time.monotonic)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Item(NamedTuple):
+    """One request of a batch to one store: its position in the batch, the request, the bytes to move (the part of the
+    object's buffer) and where that part starts within the object."""
+
+    position: int
+    req: TransferRequest
+    view: memoryview
+    part_offset: int
 
 
 @dataclass
@@ -372,8 +384,14 @@ class RdmaTransport(Transport):
         poll_interval_s: float = 0.0005,
         clock: Clock = SYSTEM_CLOCK,
         discover: bool = False,
+        rail: int = 0,
     ) -> None:
         self.discover = discover
+        self.rail = rail
+        """Which of the store's devices this transport connects to (rail modulo their number): a client with
+        several NICs runs one transport per NIC (``rdma_rails.RailsTransport``)."""
+        self.on_learn: Callable[[str, Mapping[str, Any]], None] | None = None
+        """Told every STORE_INFO this transport fetched (the other rails learn the store from it)."""
         """Ask unknown stores for STORE_INFO on first sight (else only :meth:`note_store_info` tells)."""
         if device is None:
             devices = verbs.list_devices()
@@ -408,11 +426,16 @@ class RdmaTransport(Transport):
         """Feed a store's STORE_INFO; returns whether it advertises RDMA (``info["rdma"]["segments"]``)."""
         rdma = info.get("rdma")
         segments: list[int] = []
+        devices: tuple[str, ...] = ()
         if isinstance(rdma, Mapping):
             raw = rdma.get("segments", [])
             if isinstance(raw, list):
                 segments = [s for s in raw if isinstance(s, int) and not isinstance(s, bool)]
+            names = rdma.get("devices")
+            if isinstance(names, list):
+                devices = tuple(n for n in names if isinstance(n, str))
         self.advertise(endpoint, segments)
+        self._peer(endpoint).devices = devices
         return bool(segments)
 
     def advertise(self, endpoint: str, segment_ids: Iterable[int]) -> None:
@@ -458,6 +481,8 @@ class RdmaTransport(Transport):
             return peer
         if not self.note_store_info(endpoint, info):
             logger.info("store %s serves no RDMA: TCP is used for it", endpoint)
+        if self.on_learn is not None:
+            self.on_learn(endpoint, info)
         return peer
 
     def post_us_per_wr(self) -> float | None:
@@ -484,12 +509,32 @@ class RdmaTransport(Transport):
 
     # ---- transfers
     def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
+        return self.submit_parts(requests, None, deadline)
+
+    def submit_parts(
+        self,
+        requests: Sequence[TransferRequest],
+        parts: Sequence[tuple[int, int]] | None,
+        deadline: Deadline,
+        record: bool = True,
+    ) -> _Batch:
+        """Like :meth:`submit`, moving only the byte range (offset, length) of each object ``parts`` gives
+        (None: whole objects); ``record=False`` leaves the RECORD of written objects to the caller (another
+        rail may still be writing the rest of an object)."""
         batch = _Batch(len(requests), deadline, self._poll_interval, self._clock)
-        by_endpoint: dict[str, list[tuple[int, TransferRequest, memoryview]]] = {}
+        batch.record = record
+        by_endpoint: dict[str, list[_Item]] = {}
         for index, req in enumerate(requests):
             view = self._check(index, req, batch)
-            if view is not None and req.replica.length:
-                by_endpoint.setdefault(req.replica.tcp_endpoint, []).append((index, req, view))
+            offset = 0
+            if view is not None and parts is not None:
+                offset, length = parts[index]
+                if not 0 <= offset <= offset + length <= len(view):
+                    batch.fail(index, ErrorCode.INVALID_ARGUMENT)
+                    continue
+                view = view[offset : offset + length]
+            if view is not None and len(view):
+                by_endpoint.setdefault(req.replica.tcp_endpoint, []).append(_Item(index, req, view, offset))
         for endpoint, items in by_endpoint.items():
             self._submit_to(endpoint, items, batch)
         for conn in batch.connections:
@@ -522,9 +567,9 @@ class RdmaTransport(Transport):
             return None
         return view[:length]
 
-    def _submit_to(self, endpoint: str, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch) -> None:
+    def _submit_to(self, endpoint: str, items: list[_Item], batch: _Batch) -> None:
         grants: dict[int, Grant] = {}
-        for _, req, _ in items:
+        for _, req, _, _ in items:
             seg = req.replica.segment_id
             # Admission needs one valid grant per segment: the write one where there is a write, else the one
             # that lives longest (a grant expiring while the QP connects would fail the whole batch).
@@ -536,11 +581,11 @@ class RdmaTransport(Transport):
                 or (grant.op == held.op and grant.expiry_ms > held.expiry_ms)
             ):
                 grants[seg] = grant
-        need_write = any(req.op == GrantOp.WRITE for _, req, _ in items)
+        need_write = any(req.op == GrantOp.WRITE for _, req, _, _ in items)
         try:
             peer = self._peer(endpoint)
         except KvPoolError as exc:
-            for index, _, _ in items:
+            for index, _, _, _ in items:
                 batch.fail(index, exc.code)
             return
         # Under the peer's lock from connection to enqueue: nobody retires (and closes) the connection
@@ -549,34 +594,32 @@ class RdmaTransport(Transport):
             try:
                 conn = self._connection(peer, list(grants.values()), need_write, batch.deadline)
             except KvPoolError as exc:
-                for index, _, _ in items:
+                for index, _, _, _ in items:
                     batch.fail(index, exc.code)
                 return
             regions = self._regions_for(conn, items, batch)
             chunks: list[_Chunk] = []
-            for (index, req, view), remote in zip(items, regions, strict=True):
+            for item, remote in zip(items, regions, strict=True):
                 if remote is not None:
-                    chunks.extend(self._chunks(index, req, view, conn, batch, remote))
+                    chunks.extend(self._chunks(item, conn, batch, remote))
             batch.add_chunks(chunks)
-            batch.writes.extend((index, req, conn) for index, req, _ in items if req.op == GrantOp.WRITE)
+            batch.writes.extend((index, req, conn) for index, req, _, _ in items if req.op == GrantOp.WRITE)
             with self._lock:
                 self.stats.work_requests += len(chunks)
                 self.stats.bytes_submitted += sum(c.piece.length for c in chunks)
             conn.enqueue(chunks)
 
-    def _regions_for(
-        self, conn: _Connection, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch
-    ) -> list[list[RemoteRegion] | None]:
+    def _regions_for(self, conn: _Connection, items: list[_Item], batch: _Batch) -> list[list[RemoteRegion] | None]:
         """The remote regions each request may touch: its grant's windows, or the segment's regions on a
         store without windows; None (with the code set in ``batch``) where the store refused the grant."""
         if conn.windows is None:
-            return [conn.regions(req.replica.segment_id) for _, req, _ in items]
+            return [conn.regions(req.replica.segment_id) for _, req, _, _ in items]
         asks = [
             (req.replica.grant(req.op, req.key), req.write_checksum() if req.op == GrantOp.WRITE else 0)
-            for _, req, _ in items
+            for _, req, _, _ in items
         ]
         out: list[list[RemoteRegion] | None] = []
-        for (index, _, _), (code, regions) in zip(items, conn.window_regions(asks, batch.deadline), strict=True):
+        for (index, _, _, _), (code, regions) in zip(items, conn.window_regions(asks, batch.deadline), strict=True):
             if code != ErrorCode.OK:
                 batch.fail(index, code)
                 out.append(None)
@@ -584,15 +627,8 @@ class RdmaTransport(Transport):
                 out.append(regions)
         return out
 
-    def _chunks(
-        self,
-        index: int,
-        req: TransferRequest,
-        view: memoryview,
-        conn: _Connection,
-        batch: _Batch,
-        remote: list[RemoteRegion],
-    ) -> list[_Chunk]:
+    def _chunks(self, item: _Item, conn: _Connection, batch: _Batch, remote: list[RemoteRegion]) -> list[_Chunk]:
+        index, req, view, part_offset = item
         try:
             addr = buffer_address(view)
             reg = self._memory.find(addr, len(view))
@@ -602,7 +638,7 @@ class RdmaTransport(Transport):
             pieces = plan_pieces(
                 addr,
                 reg.spans(),
-                req.replica.offset,
+                req.replica.offset + part_offset,
                 remote,
                 len(view),
                 self.max_chunk_bytes,
@@ -652,7 +688,8 @@ class RdmaTransport(Transport):
         if time.monotonic() < peer.down_until:
             raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"RDMA to {peer.endpoint}: reconnect cooldown")
         try:
-            peer.conn = self._connect(peer.endpoint, grants, need_write, deadline)
+            device = peer.devices[self.rail % len(peer.devices)] if peer.devices else None
+            peer.conn = self._connect(peer.endpoint, grants, need_write, deadline, device)
         except KvPoolError as exc:
             self._count("connect_failures")
             if exc.code not in _REQUEST_REFUSALS:  # the path failed, not this request's grant: back off
@@ -664,7 +701,9 @@ class RdmaTransport(Transport):
         self._count("connects")
         return peer.conn
 
-    def _connect(self, endpoint: str, grants: list[Grant], need_write: bool, deadline: Deadline) -> _Connection:
+    def _connect(
+        self, endpoint: str, grants: list[Grant], need_write: bool, deadline: Deadline, device: str | None = None
+    ) -> _Connection:
         remaining = deadline.remaining()
         timeout = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
         if timeout <= 0:
@@ -683,6 +722,8 @@ class RdmaTransport(Transport):
                 "access": "rw" if need_write else "r",
                 "grants": [grant_to_json(g) for g in grants],
             }
+            if device is not None:
+                request["device"] = device  # the store's NIC to reach (a store with several serves on each)
             sock, reply = exchange_rdma_connect(endpoint, _encode(request), token=self._token, timeout=timeout)
             doc = _decode(reply, "RDMA_CONNECT reply")
             remote = qp_info_from_json(doc.get("qp"))

@@ -307,6 +307,14 @@ class Verbs(ABC):
     @abstractmethod
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> DeviceContext: ...
 
+    def numa_node(self, device: str) -> int:
+        """The NUMA node a device sits on (sysfs ``device/numa_node``); -1 when unknown."""
+        try:
+            with open(f"/sys/class/infiniband/{device}/device/numa_node", encoding="ascii") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return -1
+
 
 # ---------------------------------------------------------------------- discovery
 NO_RDMA_LOG_KEY = "kvpool.rdma.unavailable"

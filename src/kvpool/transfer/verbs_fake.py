@@ -136,9 +136,12 @@ class FakeVerbs(Verbs):
         max_mr_bytes: int = 1 << 30,
         max_qp_wr: int = 1024,
         mtu: Mtu = Mtu.MTU_4096,
+        numa_nodes: dict[str, int] | None = None,
     ) -> None:
         self.fabric = fabric if fabric is not None else FakeFabric()
         self.devices = devices
+        self.numa_nodes = dict(numa_nodes or {})
+        """The NUMA node each fake device claims to sit on (unknown: -1)."""
         self.max_mr_bytes = max_mr_bytes
         self.max_qp_wr = max_qp_wr
         self.mtu = mtu
@@ -149,6 +152,9 @@ class FakeVerbs(Verbs):
         if error is not None:
             raise error
         return list(self.devices)
+
+    def numa_node(self, device: str) -> int:
+        return self.numa_nodes.get(device, -1)
 
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> FakeContext:
         if device not in self.devices:
