@@ -68,6 +68,9 @@ KVPOOL_FAKE_VERBS_DIR = EnvVar(
     "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
 )
 KVPOOL_RDMA_DEVICE = EnvVar("KVPOOL_RDMA_DEVICE", "", "Store RDMA devices: auto, off, or NAME[,NAME...].")
+KVPOOL_TEST_CUDA = EnvVar(
+    "KVPOOL_TEST_CUDA", False, "Run the opt-in GPU-memory RDMA test (with KVPOOL_TEST_RDMA_DEVICE)."
+)
 KVPOOL_FAKE_VERBS_DEVICES = EnvVar(
     "KVPOOL_FAKE_VERBS_DEVICES",
     "",
@@ -101,6 +104,7 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_FAKE_VERBS_DIR,
     KVPOOL_RDMA_DEVICE,
     KVPOOL_FAKE_VERBS_DEVICES,
+    KVPOOL_TEST_CUDA,
 ]
 
 
