@@ -209,7 +209,7 @@ class _Connection:
             chunk = self._pending.popleft()
             if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
                 # Its window may be gone (or go while the request is on the NIC), and a request that hits a
-                # dead window kills the QP with everyone's work on it: fail just this one (decision 0021).
+                # dead window kills the QP with everyone's work on it: fail just this one (decision 0024).
                 chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
                 continue
             p = chunk.piece

@@ -332,7 +332,7 @@ class RdmaResponder:
             if self.windows is None and grant.expiry_ms and grant.expiry_ms <= now:
                 # Without windows admission opens whole segments, so only a live grant admits. With windows
                 # the QP reaches nothing until RDMA_WINDOWS binds a window for a live grant: a verified grant
-                # that expired while the client connected still shows the master let it in (decision 0021).
+                # that expired while the client connected still shows the master let it in (decision 0024).
                 raise KvPoolError(ErrorCode.GRANT_EXPIRED, f"the grant for segment {seg} expired")
             segments.add(grant.segment_id)
             writable = writable or grant.op == GrantOp.WRITE

@@ -38,7 +38,7 @@ WINDOW_GRACE_MS = 2000
 dying with REM_ACCESS_ERR (which would kill the QP and every other request on it). It stays well inside the
 master's quarantine of a revoked put's range (``RECLAIM_GRACE_S``, 5 s), so no late WRITE can land in a
 range handed to a newer object; a READ that completes after its lease ended is discarded by the client
-(``LEASE_EXPIRED``). Decision 0021."""
+(``LEASE_EXPIRED``). Decision 0024."""
 
 
 @dataclass(eq=False)
