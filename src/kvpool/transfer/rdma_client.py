@@ -56,7 +56,8 @@ _POLL_BATCH = 64
 _ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
 WINDOW_EXPIRY_MARGIN_MS = 1000
-"""A grant with less than this left is not used over RDMA (its window may die mid-batch)."""
+"""A grant with less than this left goes over TCP: RDMA spends a round trip on its window first, and a grant that
+expires before its work request is posted fails that request (decision 0024)."""
 _RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
 _LEARN_TIMEOUT_S = 0.5  # can_reach has no deadline: a store slow to say STORE_INFO is served over TCP meanwhile
 _RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
@@ -472,10 +473,10 @@ class RdmaTransport(Transport):
         if replica.tier != 0:
             return False  # SSD-tier objects are read from files by the store: TCP serves them
         if replica.expiry_ms - self._clock.wall_ms() < WINDOW_EXPIRY_MARGIN_MS:
-            # The store invalidates a grant's window when the grant expires, and a work request that hits an
-            # invalidated window kills the QP (and every request on it): a grant this close to its end goes
-            # over TCP, where the store checks it once, at the request. So does a replica without a lease
-            # (expiry 0: a hint the store must revalidate, which only TCP asks it to do).
+            # A grant this close to its end would likely expire between its RDMA_WINDOWS round trip and its
+            # post (that request would then fail, decision 0024): TCP, where the store checks it once, at the
+            # request. So does a replica without a lease (expiry 0: a hint the store must revalidate, which only
+            # TCP asks it to do).
             return False
         with self._lock:
             peer = None if self._closed else self._peers.get(replica.tcp_endpoint)
@@ -512,13 +513,21 @@ class RdmaTransport(Transport):
     def post_us_per_wr(self) -> float | None:
         """Client CPU microseconds per work request posted, with a fake NIC's checks and copy taken out
         (a real NIC does those itself); None before any work request was posted."""
-        with self._lock:
-            conns = list(self._all_connections)
-        posted = sum(c.work_requests for c in conns)
+        seconds, posted = self.posting_totals()
         if not posted:
             return None
-        nic = float(getattr(getattr(self._ctx, "fabric", None), "nic_seconds", 0.0))
-        return max(0.0, sum(c.post_seconds for c in conns) - nic) / posted * 1e6
+        nic = float(getattr(self.nic_fabric(), "nic_seconds", 0.0))
+        return max(0.0, seconds - nic) / posted * 1e6
+
+    def posting_totals(self) -> tuple[float, int]:
+        """(CPU seconds spent posting, work requests posted) over every connection so far."""
+        with self._lock:
+            conns = list(self._all_connections)
+        return sum(c.post_seconds for c in conns), sum(c.work_requests for c in conns)
+
+    def nic_fabric(self) -> object | None:
+        """A fake NIC's fabric (it keeps ``nic_seconds``); None on real hardware."""
+        return getattr(self._ctx, "fabric", None)
 
     # ---- memory
     def register_memory(self, buffer: memoryview) -> None:

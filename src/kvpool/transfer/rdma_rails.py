@@ -149,11 +149,14 @@ class RailsTransport(Transport):
         return self.preferred_rail(view)
 
     def post_us_per_wr(self) -> float | None:
-        figures = [(r.post_us_per_wr(), r.stats.work_requests) for r in self.rails]
-        posted = sum(n for f, n in figures if f is not None)
+        """As :meth:`RdmaTransport.post_us_per_wr`, over every rail (rails on one fake fabric share its NIC time)."""
+        totals = [rail.posting_totals() for rail in self.rails]
+        posted = sum(n for _, n in totals)
         if not posted:
             return None
-        return sum(f * n for f, n in figures if f is not None) / posted
+        fabrics = {id(f): f for f in (rail.nic_fabric() for rail in self.rails) if f is not None}
+        nic = sum(float(getattr(f, "nic_seconds", 0.0)) for f in fabrics.values())
+        return max(0.0, sum(s for s, _ in totals) - nic) / posted * 1e6
 
     def close(self) -> None:
         for rail in self.rails:

@@ -89,6 +89,11 @@ def test_a_large_write_and_read_are_striped_across_both_nics(rails: _Rails) -> N
     assert rails.per_rail_bytes() == [2 * half, 2 * (len(data) - half)]
     # Each client NIC reached the store over its own store NIC.
     assert [r.connections for r in rails.responders] == [1, 1]
+    # The posting figure covers both rails, the fake NIC's shared time taken out once (not once per rail).
+    seconds = sum(rail.posting_totals()[0] for rail in rails.transport.rails)
+    figure = rails.transport.post_us_per_wr()
+    assert figure is not None
+    assert figure == pytest.approx(max(0.0, seconds - rails.fabric.nic_seconds) / 4 * 1e6)  # 2 rails x 2 ops
 
 
 def test_a_small_request_stays_on_the_nic_of_its_buffers_numa_node(rails: _Rails) -> None:
