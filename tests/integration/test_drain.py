@@ -42,6 +42,7 @@ def _moves_in_flight(cluster: LocalCluster) -> float:
     return next(float(line.split()[-1]) for line in lines if line.startswith("kvpool_drain_moves_in_flight "))
 
 
+@pytest.mark.usefixtures("data_path")
 def test_drain_under_load_loses_nothing(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = _cluster(make_cluster, ["node-a", "node-b", "node-c"])
     load = Load(cluster.master, VALUE)

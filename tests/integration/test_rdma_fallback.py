@@ -120,6 +120,11 @@ _ATTRS_CHILD = textwrap.dedent("""
     rts = v.pv_rts_attr(1, 77, 8)
     err, mask = v.pv_error_attr()
     wr = v.pv_send_wr(v.WorkRequest(9, v.Opcode.RDMA_READ, 0x1000, 4096, 11, 0x2000, 22))
+    # The reused chain (decision 0021): three requests, then two refill the last two objects of the ring.
+    chain = v.PvSendChain()
+    three = [v.WorkRequest(20 + n, v.Opcode.RDMA_WRITE, 0x1000 * n, 512, 11, 0x9000, 22) for n in range(3)]
+    head3 = chain.build(three)
+    head2 = chain.build([v.WorkRequest(40 + n, v.Opcode.RDMA_READ, 0, 64, 11, 0x9000, 22) for n in range(2)])
     print(json.dumps({
         "init": [init.qp_type, init.cap.max_send_wr, init.sq_sig_all],
         "to_init": [to_init.port_num, to_init.qp_access_flags, to_init.pkey_index],
@@ -129,6 +134,7 @@ _ATTRS_CHILD = textwrap.dedent("""
         "rts": [rts.sq_psn, rts.timeout, rts.retry_cnt, rts.rnr_retry, rts.max_rd_atomic],
         "err": [err.qp_state, mask],
         "wr": [wr.wr_id, wr.opcode, wr.num_sge, wr.send_flags],
+        "chain": [chain.capacity, head3.wr_id, head3.opcode, head2.wr_id, head2.opcode, head2.num_sge],
     }))
 """)
 
@@ -148,3 +154,5 @@ def test_attribute_builders_are_accepted_by_the_real_pyverbs(pyverbs_dir: Path) 
     assert out["rts"] == [77, 14, 7, 7, 8]
     assert out["err"] == [6, 1]  # IBV_QPS_ERR, IBV_QP_STATE
     assert out["wr"] == [9, 4, 1, 2]  # IBV_WR_RDMA_READ, one SGE, IBV_SEND_SIGNALED
+    # A list refills the ring's last objects: two requests start at the second object, which now reads.
+    assert out["chain"] == [3, 20, 0, 40, 4, 1]  # IBV_WR_RDMA_WRITE = 0, IBV_WR_RDMA_READ = 4

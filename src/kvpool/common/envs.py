@@ -68,6 +68,14 @@ KVPOOL_FAKE_VERBS_DIR = EnvVar(
     "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
 )
 KVPOOL_RDMA_DEVICE = EnvVar("KVPOOL_RDMA_DEVICE", "", "Store RDMA devices: auto, off, or NAME[,NAME...].")
+KVPOOL_TEST_CUDA = EnvVar(
+    "KVPOOL_TEST_CUDA", False, "Run the opt-in GPU-memory RDMA test (with KVPOOL_TEST_RDMA_DEVICE)."
+)
+KVPOOL_FAKE_VERBS_DEVICES = EnvVar(
+    "KVPOOL_FAKE_VERBS_DEVICES",
+    "",
+    "Devices of the FAKE NIC, NAME[:NUMA_NODE][,...] (default fake_mlx5_0): several NICs in tests.",
+)
 
 # The running local cluster (`kvpool local up`), found by tools when no master is given (common/local_context.py).
 KVPOOL_LOCAL_CONTEXT = EnvVar(
@@ -95,6 +103,8 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_VERBS,
     KVPOOL_FAKE_VERBS_DIR,
     KVPOOL_RDMA_DEVICE,
+    KVPOOL_FAKE_VERBS_DEVICES,
+    KVPOOL_TEST_CUDA,
 ]
 
 

@@ -67,7 +67,7 @@ from kvpool.store.limits import ClientLimits, client_of
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
-from kvpool.transfer.rdma_responder import RdmaResponder
+from kvpool.transfer.rdma_rails import Responder
 from kvpool.transfer.rdma_wire import MAX_CONNECT_PAYLOAD, windows_request_from_json
 from kvpool.transfer.tcp_socket import (
     FrameReader,
@@ -179,7 +179,7 @@ class DataPlaneServer:
         limits: ClientLimits | None = None,
         spin_us: int = 0,
         read_sendfile: bool = False,
-        rdma: RdmaResponder | None = None,
+        rdma: Responder | None = None,
     ) -> None:
         self.host = host
         self.rdma = rdma

@@ -40,7 +40,7 @@ from kvpool.store.segment import ShmSegment
 from kvpool.store.standby_feed import StandbyFeed
 from kvpool.store.tiering import StoreTier
 from kvpool.transfer.factory import make_responder
-from kvpool.transfer.rdma_responder import RdmaResponder
+from kvpool.transfer.rdma_rails import Responder
 from kvpool.transfer.tcp import TcpTransport
 
 log = get_logger(__name__)
@@ -170,7 +170,7 @@ class StoreServer:
         self.inventory = Inventory()
         self.segment: ShmSegment | None = None
         self.dataplane: DataPlaneServer | None = None
-        self.rdma: RdmaResponder | None = None
+        self.rdma: Responder | None = None
         """One-sided RDMA to the segment (docs/rdma.md); None when no device serves it."""
         self.tier: StoreTier | None = None
         self.mover: Mover | None = None
@@ -470,7 +470,7 @@ class _StoreCollector(Collector):
         yield errors
 
 
-def _rdma_metrics(rdma: RdmaResponder | None) -> Any:
+def _rdma_metrics(rdma: Responder | None) -> Any:
     """RDMA in use: admitted queue pairs, and the windows (and bytes) granted over it (docs/rdma.md)."""
     if rdma is None:
         return

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from kvpool.common.errors import batch_failure
 from kvpool.tools.argtypes import positive_float, positive_int, size, sizes_bytes
 from kvpool.transfer.rdma_client import RdmaTransport
+from kvpool.transfer.rdma_rails import RailsTransport
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
 TRANSPORTS = ("tcp", "shm", "rdma")
@@ -169,7 +170,7 @@ def measure(
                     )
         counters = client.metrics()
         rdma = client._transports.transport("rdma")  # noqa: SLF001 - the benchmark reads the transport's figure
-        post_us = rdma.post_us_per_wr() if isinstance(rdma, RdmaTransport) else None
+        post_us = rdma.post_us_per_wr() if isinstance(rdma, RdmaTransport | RailsTransport) else None
     by_transport = {name: counters.get(f"bytes_{name}", 0) for name in TRANSPORTS}
     total = sum(by_transport.values())
     if total and by_transport[transport] < 0.95 * total:

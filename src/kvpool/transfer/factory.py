@@ -22,7 +22,7 @@ from kvpool.transfer.verbs import NO_RDMA_LOG_KEY, Verbs, VerbsError, discover_d
 
 if TYPE_CHECKING:
     from kvpool.transfer.rdma_memory import SegmentMemory
-    from kvpool.transfer.rdma_responder import RdmaResponder
+    from kvpool.transfer.rdma_rails import Responder
 
 logger = get_logger(__name__)
 
@@ -59,10 +59,9 @@ def make_responder(
     *,
     gid_index: int = 0,
     verbs: Verbs | None = None,
-) -> RdmaResponder | None:
-    """The store's RDMA responder on the first device ``spec`` selects, or None - logged once - without RDMA.
-
-    Call after the segment is bound and prefaulted: registration pins its pages.
+) -> Responder | None:
+    """The store's RDMA responder on every device ``spec`` selects (each registers every segment), or None -
+    logged once - without RDMA. Call after the segment is bound and prefaulted: registration pins its pages.
     """
     if spec.strip() == "off":
         logger.info("RDMA off (--rdma-device off): clients use TCP")
@@ -71,25 +70,25 @@ def make_responder(
     devices = select_devices(spec, discover_devices(verbs))
     if not devices:
         return None
+    from kvpool.transfer.rdma_rails import RdmaResponders
     from kvpool.transfer.rdma_responder import RdmaResponder
     from kvpool.transfer.verbs import PyverbsVerbs
 
-    try:
-        responder = RdmaResponder(
-            verbs if verbs is not None else PyverbsVerbs(),
-            segments,
-            secrets_by_segment,
-            device=devices[0],
-            gid_index=gid_index,
-            windows=True,
-        )
-    except (KvPoolError, VerbsError, ImportError) as exc:
-        _no_rdma(f"cannot serve RDMA on {devices[0]}: {exc}")
+    library = verbs if verbs is not None else PyverbsVerbs()
+    responders: list[RdmaResponder] = []
+    for device in devices:
+        try:
+            responders.append(
+                RdmaResponder(library, segments, secrets_by_segment, device=device, gid_index=gid_index, windows=True)
+            )
+        except (KvPoolError, VerbsError, ImportError) as exc:
+            logger.warning("RDMA: cannot serve on %s: %s", device, exc)
+    if not responders:
+        _no_rdma(f"cannot serve RDMA on {', '.join(devices)}")
         return None
-    if len(devices) > 1:
-        logger.warning("RDMA: serving on %s only; more than one device per store is not supported yet", devices[0])
-    logger.info("RDMA responder on %s (%d segments)", responder.device, len(segments))
-    return responder
+    names = ", ".join(r.device for r in responders)
+    logger.info("RDMA responder on %s (%d segments)", names, len(segments))
+    return responders[0] if len(responders) == 1 else RdmaResponders(responders)
 
 
 def make_transports(
@@ -148,29 +147,34 @@ def make_rdma_transport(
     max_mr_bytes: int | None = None,
     token: bytes = b"",
 ) -> Transport | None:
-    """An RdmaTransport on ``device`` (default: the first one found), or None - logged once - without RDMA."""
-    devices = discover_devices(verbs)  # logs "RDMA unavailable ...: using TCP" once when empty
-    if not devices:
+    """RDMA on ``device`` (``NAME[,NAME...]``; default: every device found), or None - logged once - without
+    RDMA. Several devices make one transport that stripes large transfers across them and keeps small ones on
+    the NIC of the buffer's NUMA node (``rdma_rails``)."""
+    found = discover_devices(verbs)  # logs "RDMA unavailable ...: using TCP" once when empty
+    if not found:
         return None
-    if device is not None and device not in devices:
-        _no_rdma(f"device {device} not found (have {', '.join(devices)})")
+    wanted = [d.strip() for d in device.split(",") if d.strip()] if device else list(found)
+    missing = [d for d in wanted if d not in found]
+    if missing:
+        _no_rdma(f"device {', '.join(missing)} not found (have {', '.join(found)})")
         return None
     from kvpool.transfer.rdma import RdmaTransport
+    from kvpool.transfer.rdma_rails import make_rails
     from kvpool.transfer.verbs import PyverbsVerbs
 
     try:
-        transport = RdmaTransport(
-            verbs if verbs is not None else PyverbsVerbs(),
-            device or devices[0],
-            max_mr_bytes,
-            gid_index=gid_index,
-            token=token,
-            discover=True,
-        )
+        library = verbs if verbs is not None else PyverbsVerbs()
+
+        def rail(name: str, index: int) -> RdmaTransport:
+            return RdmaTransport(
+                library, name, max_mr_bytes, gid_index=gid_index, token=token, discover=True, rail=index
+            )
+
+        transport = make_rails(rail, wanted, [library.numa_node(d) for d in wanted])
     except (KvPoolError, VerbsError, ImportError) as exc:
-        _no_rdma(f"cannot open {device or devices[0]}: {exc}")
+        _no_rdma(f"cannot open {', '.join(wanted)}: {exc}")
         return None
-    logger.info("RDMA transport on %s (max MR %d bytes)", transport.device, transport.max_mr_bytes)
+    logger.info("RDMA transport on %s", getattr(transport, "device", ", ".join(wanted)))
     return transport
 
 

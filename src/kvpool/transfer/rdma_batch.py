@@ -11,14 +11,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.common.clock import Deadline
+from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode
 from kvpool.transfer.base import TransferBatch, TransferRequest
 from kvpool.transfer.rdma_memory import Piece, _Registration
+from kvpool.transfer.rdma_windows import WINDOW_GRACE_MS
 from kvpool.transfer.verbs import Opcode
 
 if TYPE_CHECKING:
     from kvpool.transfer.rdma_client import _Connection
+
+ABORT_AFTER_EXPIRY_MS = WINDOW_GRACE_MS // 2
+"""Work still on the NIC this long after its grant expired is aborted, before the store drops the window."""
 
 
 # ---------------------------------------------------------------------- batches and chunks
@@ -29,12 +33,17 @@ class _Chunk:
     index: int
     opcode: Opcode
     piece: Piece
+    expiry_ms: int = 0
+    """The request's grant expiry (wall ms; 0: none): the chunk is never posted after it."""
 
 
 class _Batch(TransferBatch):
     """Per-request codes; a request is OK only when every one of its work requests completed OK."""
 
-    def __init__(self, n_requests: int, deadline: Deadline, poll_interval_s: float) -> None:
+    def __init__(
+        self, n_requests: int, deadline: Deadline, poll_interval_s: float, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self._clock = clock
         self.codes: list[ErrorCode] = [ErrorCode.OK] * n_requests
         self.deadline = deadline
         self._poll_max = poll_interval_s
@@ -47,6 +56,10 @@ class _Batch(TransferBatch):
         self.writes: list[tuple[int, TransferRequest, _Connection]] = []
         """WRITE requests, to RECORD with their store once their bytes landed."""
         self._finished = False
+        self.record = True
+        """Whether ``wait`` RECORDs the written objects (False: the caller does, see ``submit_parts``)."""
+        self.earliest_expiry_ms = 0
+        """The soonest grant expiry of the work requests on the NIC (0: none), see ``_drive``."""
 
     def fail(self, index: int, code: ErrorCode) -> None:
         with self._lock:
@@ -57,6 +70,8 @@ class _Batch(TransferBatch):
         with self._lock:
             self._outstanding += len(chunks)
             for chunk in chunks:
+                if chunk.expiry_ms and (not self.earliest_expiry_ms or chunk.expiry_ms < self.earliest_expiry_ms):
+                    self.earliest_expiry_ms = chunk.expiry_ms
                 self._per_request[chunk.index] += 1
                 self._per_conn[chunk.conn] = self._per_conn.get(chunk.conn, 0) + 1
                 if chunk.conn not in self.connections:
@@ -77,7 +92,8 @@ class _Batch(TransferBatch):
     def wait(self, deadline: Deadline) -> list[ErrorCode]:
         if not self._finished:
             self._drive(deadline)
-            self._record_writes(deadline)
+            if self.record:
+                self._record_writes(deadline)
             for reg in self.temporary:
                 reg.close()
             self.temporary = []
@@ -96,19 +112,27 @@ class _Batch(TransferBatch):
                 self.fail(index, code)
 
     def _drive(self, deadline: Deadline) -> None:
-        """Make progress on every connection this batch uses until its work is done or a deadline passes."""
+        """Make progress on every connection this batch uses until its work is done or a deadline passes.
+
+        A work request still on the NIC ``ABORT_AFTER_EXPIRY_MS`` after its grant expired is aborted too:
+        the store keeps a window only ``WINDOW_GRACE_MS`` past its grant, and a request that touched an
+        invalidated window would kill the QP with everyone's work on it."""
         sleep = 0.0
         while True:
             for conn in self.connections:
                 conn.progress()
             if self._outstanding == 0:
                 return
-            if deadline.expired() or self.deadline.expired():
+            if deadline.expired() or self.deadline.expired() or self._past_grace():
                 self._abort()
                 return
             if sleep:
                 time.sleep(sleep)
             sleep = min(self._poll_max, sleep * 2 or 20e-6)
+
+    def _past_grace(self) -> bool:
+        expiry = self.earliest_expiry_ms
+        return bool(expiry) and self._clock.wall_ms() >= expiry + ABORT_AFTER_EXPIRY_MS
 
     def _abort(self) -> None:
         """Abort the connections that still hold work of this batch (only those: others keep theirs)."""

@@ -10,9 +10,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
@@ -56,7 +56,8 @@ _POLL_BATCH = 64
 _ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
 WINDOW_EXPIRY_MARGIN_MS = 1000
-"""A grant with less than this left is not used over RDMA (its window may die mid-batch)."""
+"""A grant with less than this left goes over TCP: RDMA spends a round trip on its window first, and a grant that
+expires before its work request is posted fails that request (decision 0024)."""
 _RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
 _LEARN_TIMEOUT_S = 0.5  # can_reach has no deadline: a store slow to say STORE_INFO is served over TCP meanwhile
 _RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
@@ -107,6 +108,9 @@ class _Connection:
         for region in regions:
             self._regions.setdefault(region.segment_id, []).append(region)
         self._depth = depth
+        self._clock = clock
+        self.chained = True
+        """Post each window of work requests as one chained list (False: one ``post_send`` each)."""
         self._lock = threading.Lock()
         self._record_lock = threading.Lock()  # one RECORD exchange at a time on the control connection
         self._pending: deque[_Chunk] = deque()
@@ -117,7 +121,9 @@ class _Connection:
         self.work_requests = 0
         self.successes = 0
         self.post_seconds = 0.0
-        """Time spent posting work requests (a fake NIC's copy included: see RdmaTransport.post_us_per_wr)."""
+        """CPU time this process's posting threads spent posting work requests (thread CPU time, so that a
+        thread descheduled on a loaded machine does not count; a fake NIC's copy included: see
+        RdmaTransport.post_us_per_wr)."""
 
     # ---- queries
     def covers(self, segment_ids: Iterable[int]) -> bool:
@@ -184,28 +190,55 @@ class _Connection:
                 self._release()
 
     def _post(self) -> None:
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             self._post_window()
         finally:
-            self.post_seconds += time.perf_counter() - started
+            self.post_seconds += time.thread_time() - started
 
     def _post_window(self) -> None:
+        """Post what the send queue has room for: one chained list (``post_send_list``), or one work request
+        at a time where ``chained`` is off (the figure decision 0021 compares with)."""
         qp = self._qp
         assert qp is not None
-        while self._pending and len(self._inflight) < self._depth and self.broken is None:
-            chunk = self._pending[0]
+        if not self._pending or self.broken is not None:
+            return
+        now_ms = self._clock.wall_ms()
+        ready: list[_Chunk] = []
+        wrs: list[WorkRequest] = []
+        while self._pending and len(self._inflight) + len(ready) < self._depth:
+            chunk = self._pending.popleft()
+            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
+                # Its window may be gone (or go while the request is on the NIC), and a request that hits a
+                # dead window kills the QP with everyone's work on it: fail just this one (decision 0024).
+                chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
+                continue
             p = chunk.piece
             self._next_wr += 1
-            wr = WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey)
+            wrs.append(WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey))
+            ready.append(chunk)
+        if not wrs:
+            return
+        if self.chained:
+            posted = qp.post_send_list(wrs)
+            refusal = qp.last_post_error
+        else:
+            posted, refusal = self._post_one_by_one(qp, wrs)
+        for wr, chunk in zip(wrs[:posted], ready[:posted], strict=True):
+            self._inflight[wr.wr_id] = chunk
+        self.work_requests += posted
+        if posted < len(wrs):
+            self._pending.extendleft(reversed(ready[posted:]))  # not posted: failed by _break below
+            self._break(ErrorCode.TRANSFER_FAILED, f"post_send: {refusal}")
+
+    @staticmethod
+    def _post_one_by_one(qp: QueuePair, wrs: list[WorkRequest]) -> tuple[int, VerbsError | None]:
+        for posted, wr in enumerate(wrs):
             try:
                 qp.post_send(wr)
             except VerbsError as exc:
-                self._break(ErrorCode.TRANSFER_FAILED, f"post_send: {exc}")
-                return
-            self._pending.popleft()
-            self._inflight[wr.wr_id] = chunk
-            self.work_requests += 1
+                return posted, exc
+        return len(wrs), None
 
     def _poll(self) -> None:
         cq = self._cq
@@ -323,12 +356,24 @@ class _Peer:
     endpoint: str
     segments: frozenset[int] = frozenset()
     rdma: bool = False
+    devices: tuple[str, ...] = ()
+    """The store's RDMA devices (STORE_INFO); a client's rail N connects to device N modulo their number."""
     conn: _Connection | None = None
     down_until: float = 0.0
     failures: int = 0
     learned_at: float = float("-inf")
     """When STORE_INFO was last asked (time.monotonic)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Item(NamedTuple):
+    """One request of a batch to one store: its position in the batch, the request, the bytes to move (the part of the
+    object's buffer) and where that part starts within the object."""
+
+    position: int
+    req: TransferRequest
+    view: memoryview
+    part_offset: int
 
 
 @dataclass
@@ -364,8 +409,14 @@ class RdmaTransport(Transport):
         poll_interval_s: float = 0.0005,
         clock: Clock = SYSTEM_CLOCK,
         discover: bool = False,
+        rail: int = 0,
     ) -> None:
         self.discover = discover
+        self.rail = rail
+        """Which of the store's devices this transport connects to (rail modulo their number): a client with
+        several NICs runs one transport per NIC (``rdma_rails.RailsTransport``)."""
+        self.on_learn: Callable[[str, Mapping[str, Any]], None] | None = None
+        """Told every STORE_INFO this transport fetched (the other rails learn the store from it)."""
         """Ask unknown stores for STORE_INFO on first sight (else only :meth:`note_store_info` tells)."""
         if device is None:
             devices = verbs.list_devices()
@@ -400,11 +451,16 @@ class RdmaTransport(Transport):
         """Feed a store's STORE_INFO; returns whether it advertises RDMA (``info["rdma"]["segments"]``)."""
         rdma = info.get("rdma")
         segments: list[int] = []
+        devices: tuple[str, ...] = ()
         if isinstance(rdma, Mapping):
             raw = rdma.get("segments", [])
             if isinstance(raw, list):
                 segments = [s for s in raw if isinstance(s, int) and not isinstance(s, bool)]
+            names = rdma.get("devices")
+            if isinstance(names, list):
+                devices = tuple(n for n in names if isinstance(n, str))
         self.advertise(endpoint, segments)
+        self._peer(endpoint).devices = devices
         return bool(segments)
 
     def advertise(self, endpoint: str, segment_ids: Iterable[int]) -> None:
@@ -417,10 +473,10 @@ class RdmaTransport(Transport):
         if replica.tier != 0:
             return False  # SSD-tier objects are read from files by the store: TCP serves them
         if replica.expiry_ms - self._clock.wall_ms() < WINDOW_EXPIRY_MARGIN_MS:
-            # The store invalidates a grant's window when the grant expires, and a work request that hits an
-            # invalidated window kills the QP (and every request on it): a grant this close to its end goes
-            # over TCP, where the store checks it once, at the request. So does a replica without a lease
-            # (expiry 0: a hint the store must revalidate, which only TCP asks it to do).
+            # A grant this close to its end would likely expire between its RDMA_WINDOWS round trip and its
+            # post (that request would then fail, decision 0024): TCP, where the store checks it once, at the
+            # request. So does a replica without a lease (expiry 0: a hint the store must revalidate, which only
+            # TCP asks it to do).
             return False
         with self._lock:
             peer = None if self._closed else self._peers.get(replica.tcp_endpoint)
@@ -450,18 +506,28 @@ class RdmaTransport(Transport):
             return peer
         if not self.note_store_info(endpoint, info):
             logger.info("store %s serves no RDMA: TCP is used for it", endpoint)
+        if self.on_learn is not None:
+            self.on_learn(endpoint, info)
         return peer
 
     def post_us_per_wr(self) -> float | None:
         """Client CPU microseconds per work request posted, with a fake NIC's checks and copy taken out
         (a real NIC does those itself); None before any work request was posted."""
-        with self._lock:
-            conns = list(self._all_connections)
-        posted = sum(c.work_requests for c in conns)
+        seconds, posted = self.posting_totals()
         if not posted:
             return None
-        nic = float(getattr(getattr(self._ctx, "fabric", None), "nic_seconds", 0.0))
-        return max(0.0, sum(c.post_seconds for c in conns) - nic) / posted * 1e6
+        nic = float(getattr(self.nic_fabric(), "nic_seconds", 0.0))
+        return max(0.0, seconds - nic) / posted * 1e6
+
+    def posting_totals(self) -> tuple[float, int]:
+        """(CPU seconds spent posting, work requests posted) over every connection so far."""
+        with self._lock:
+            conns = list(self._all_connections)
+        return sum(c.post_seconds for c in conns), sum(c.work_requests for c in conns)
+
+    def nic_fabric(self) -> object | None:
+        """A fake NIC's fabric (it keeps ``nic_seconds``); None on real hardware."""
+        return getattr(self._ctx, "fabric", None)
 
     # ---- memory
     def register_memory(self, buffer: memoryview) -> None:
@@ -476,12 +542,32 @@ class RdmaTransport(Transport):
 
     # ---- transfers
     def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
-        batch = _Batch(len(requests), deadline, self._poll_interval)
-        by_endpoint: dict[str, list[tuple[int, TransferRequest, memoryview]]] = {}
+        return self.submit_parts(requests, None, deadline)
+
+    def submit_parts(
+        self,
+        requests: Sequence[TransferRequest],
+        parts: Sequence[tuple[int, int]] | None,
+        deadline: Deadline,
+        record: bool = True,
+    ) -> _Batch:
+        """Like :meth:`submit`, moving only the byte range (offset, length) of each object ``parts`` gives
+        (None: whole objects); ``record=False`` leaves the RECORD of written objects to the caller (another
+        rail may still be writing the rest of an object)."""
+        batch = _Batch(len(requests), deadline, self._poll_interval, self._clock)
+        batch.record = record
+        by_endpoint: dict[str, list[_Item]] = {}
         for index, req in enumerate(requests):
             view = self._check(index, req, batch)
-            if view is not None and req.replica.length:
-                by_endpoint.setdefault(req.replica.tcp_endpoint, []).append((index, req, view))
+            offset = 0
+            if view is not None and parts is not None:
+                offset, length = parts[index]
+                if not 0 <= offset <= offset + length <= len(view):
+                    batch.fail(index, ErrorCode.INVALID_ARGUMENT)
+                    continue
+                view = view[offset : offset + length]
+            if view is not None and len(view):
+                by_endpoint.setdefault(req.replica.tcp_endpoint, []).append(_Item(index, req, view, offset))
         for endpoint, items in by_endpoint.items():
             self._submit_to(endpoint, items, batch)
         for conn in batch.connections:
@@ -514,9 +600,9 @@ class RdmaTransport(Transport):
             return None
         return view[:length]
 
-    def _submit_to(self, endpoint: str, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch) -> None:
+    def _submit_to(self, endpoint: str, items: list[_Item], batch: _Batch) -> None:
         grants: dict[int, Grant] = {}
-        for _, req, _ in items:
+        for _, req, _, _ in items:
             seg = req.replica.segment_id
             # Admission needs one valid grant per segment: the write one where there is a write, else the one
             # that lives longest (a grant expiring while the QP connects would fail the whole batch).
@@ -528,11 +614,11 @@ class RdmaTransport(Transport):
                 or (grant.op == held.op and grant.expiry_ms > held.expiry_ms)
             ):
                 grants[seg] = grant
-        need_write = any(req.op == GrantOp.WRITE for _, req, _ in items)
+        need_write = any(req.op == GrantOp.WRITE for _, req, _, _ in items)
         try:
             peer = self._peer(endpoint)
         except KvPoolError as exc:
-            for index, _, _ in items:
+            for index, _, _, _ in items:
                 batch.fail(index, exc.code)
             return
         # Under the peer's lock from connection to enqueue: nobody retires (and closes) the connection
@@ -541,34 +627,32 @@ class RdmaTransport(Transport):
             try:
                 conn = self._connection(peer, list(grants.values()), need_write, batch.deadline)
             except KvPoolError as exc:
-                for index, _, _ in items:
+                for index, _, _, _ in items:
                     batch.fail(index, exc.code)
                 return
             regions = self._regions_for(conn, items, batch)
             chunks: list[_Chunk] = []
-            for (index, req, view), remote in zip(items, regions, strict=True):
+            for item, remote in zip(items, regions, strict=True):
                 if remote is not None:
-                    chunks.extend(self._chunks(index, req, view, conn, batch, remote))
+                    chunks.extend(self._chunks(item, conn, batch, remote))
             batch.add_chunks(chunks)
-            batch.writes.extend((index, req, conn) for index, req, _ in items if req.op == GrantOp.WRITE)
+            batch.writes.extend((index, req, conn) for index, req, _, _ in items if req.op == GrantOp.WRITE)
             with self._lock:
                 self.stats.work_requests += len(chunks)
                 self.stats.bytes_submitted += sum(c.piece.length for c in chunks)
             conn.enqueue(chunks)
 
-    def _regions_for(
-        self, conn: _Connection, items: list[tuple[int, TransferRequest, memoryview]], batch: _Batch
-    ) -> list[list[RemoteRegion] | None]:
+    def _regions_for(self, conn: _Connection, items: list[_Item], batch: _Batch) -> list[list[RemoteRegion] | None]:
         """The remote regions each request may touch: its grant's windows, or the segment's regions on a
         store without windows; None (with the code set in ``batch``) where the store refused the grant."""
         if conn.windows is None:
-            return [conn.regions(req.replica.segment_id) for _, req, _ in items]
+            return [conn.regions(req.replica.segment_id) for _, req, _, _ in items]
         asks = [
             (req.replica.grant(req.op, req.key), req.write_checksum() if req.op == GrantOp.WRITE else 0)
-            for _, req, _ in items
+            for _, req, _, _ in items
         ]
         out: list[list[RemoteRegion] | None] = []
-        for (index, _, _), (code, regions) in zip(items, conn.window_regions(asks, batch.deadline), strict=True):
+        for (index, _, _, _), (code, regions) in zip(items, conn.window_regions(asks, batch.deadline), strict=True):
             if code != ErrorCode.OK:
                 batch.fail(index, code)
                 out.append(None)
@@ -576,15 +660,8 @@ class RdmaTransport(Transport):
                 out.append(regions)
         return out
 
-    def _chunks(
-        self,
-        index: int,
-        req: TransferRequest,
-        view: memoryview,
-        conn: _Connection,
-        batch: _Batch,
-        remote: list[RemoteRegion],
-    ) -> list[_Chunk]:
+    def _chunks(self, item: _Item, conn: _Connection, batch: _Batch, remote: list[RemoteRegion]) -> list[_Chunk]:
+        index, req, view, part_offset = item
         try:
             addr = buffer_address(view)
             reg = self._memory.find(addr, len(view))
@@ -594,7 +671,7 @@ class RdmaTransport(Transport):
             pieces = plan_pieces(
                 addr,
                 reg.spans(),
-                req.replica.offset,
+                req.replica.offset + part_offset,
                 remote,
                 len(view),
                 self.max_chunk_bytes,
@@ -603,7 +680,8 @@ class RdmaTransport(Transport):
             batch.fail(index, exc.code)
             return []
         opcode = Opcode.RDMA_READ if req.op == GrantOp.READ else Opcode.RDMA_WRITE
-        return [_Chunk(batch, conn, index, opcode, piece) for piece in pieces]
+        expiry = req.replica.expiry_ms
+        return [_Chunk(batch, conn, index, opcode, piece, expiry) for piece in pieces]
 
     # ---- connections
     def _peer(self, endpoint: str) -> _Peer:
@@ -643,7 +721,8 @@ class RdmaTransport(Transport):
         if time.monotonic() < peer.down_until:
             raise KvPoolError(ErrorCode.CONNECTION_FAILED, f"RDMA to {peer.endpoint}: reconnect cooldown")
         try:
-            peer.conn = self._connect(peer.endpoint, grants, need_write, deadline)
+            device = peer.devices[self.rail % len(peer.devices)] if peer.devices else None
+            peer.conn = self._connect(peer.endpoint, grants, need_write, deadline, device)
         except KvPoolError as exc:
             self._count("connect_failures")
             if exc.code not in _REQUEST_REFUSALS:  # the path failed, not this request's grant: back off
@@ -655,7 +734,9 @@ class RdmaTransport(Transport):
         self._count("connects")
         return peer.conn
 
-    def _connect(self, endpoint: str, grants: list[Grant], need_write: bool, deadline: Deadline) -> _Connection:
+    def _connect(
+        self, endpoint: str, grants: list[Grant], need_write: bool, deadline: Deadline, device: str | None = None
+    ) -> _Connection:
         remaining = deadline.remaining()
         timeout = self.connect_timeout if remaining is None else min(self.connect_timeout, remaining)
         if timeout <= 0:
@@ -674,6 +755,8 @@ class RdmaTransport(Transport):
                 "access": "rw" if need_write else "r",
                 "grants": [grant_to_json(g) for g in grants],
             }
+            if device is not None:
+                request["device"] = device  # the store's NIC to reach (a store with several serves on each)
             sock, reply = exchange_rdma_connect(endpoint, _encode(request), token=self._token, timeout=timeout)
             doc = _decode(reply, "RDMA_CONNECT reply")
             remote = qp_info_from_json(doc.get("qp"))

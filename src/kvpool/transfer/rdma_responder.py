@@ -314,7 +314,8 @@ class RdmaResponder:
         """Which segments the peer may reach and whether it may write.
 
         A token holder may reach every segment and write; otherwise each grant must verify with its
-        segment's secret and be unexpired, and a WRITE grant is what allows writes.
+        segment's secret (and be unexpired where there are no windows), and a WRITE grant is what allows
+        writes.
         """
         now = self._clock.wall_ms()
         with self._lock:
@@ -328,7 +329,10 @@ class RdmaResponder:
                 raise KvPoolError(ErrorCode.SEGMENT_NOT_FOUND, f"segment {seg} is not served here")
             if not verify(secret, grant):
                 raise KvPoolError(ErrorCode.AUTH_FAILED, f"the grant for segment {seg} does not verify")
-            if grant.expiry_ms and grant.expiry_ms <= now:
+            if self.windows is None and grant.expiry_ms and grant.expiry_ms <= now:
+                # Without windows admission opens whole segments, so only a live grant admits. With windows
+                # the QP reaches nothing until RDMA_WINDOWS binds a window for a live grant: a verified grant
+                # that expired while the client connected still shows the master let it in (decision 0024).
                 raise KvPoolError(ErrorCode.GRANT_EXPIRED, f"the grant for segment {seg} expired")
             segments.add(grant.segment_id)
             writable = writable or grant.op == GrantOp.WRITE

@@ -30,7 +30,15 @@ from kvpool.transfer.verbs import MemoryRegion
 logger = get_logger(__name__)
 
 SWEEP_INTERVAL_S = 0.02
-"""How often expired windows are invalidated: a window outlives its grant by at most about this."""
+"""How often expired windows are invalidated: a window outlives its grace by at most about this."""
+
+WINDOW_GRACE_MS = 2000
+"""How long a window outlives its grant. A client posts no work request under an expired grant
+(``rdma_client``), so the grace only lets work posted before the expiry complete on the NIC instead of
+dying with REM_ACCESS_ERR (which would kill the QP and every other request on it). It stays well inside the
+master's quarantine of a revoked put's range (``RECLAIM_GRACE_S``, 5 s), so no late WRITE can land in a
+range handed to a newer object; a READ that completes after its lease ended is discarded by the client
+(``LEASE_EXPIRED``). Decision 0024."""
 
 
 @dataclass(eq=False)
@@ -65,6 +73,9 @@ class WindowTable:
         self._thread.start()
 
     def add(self, conn_id: Hashable, segment_id: int, expiry_ms: int, mr: MemoryRegion) -> None:
+        """Track a bound window; ``expiry_ms`` is its grant's: it is invalidated ``WINDOW_GRACE_MS`` later."""
+        if expiry_ms:
+            expiry_ms += WINDOW_GRACE_MS
         window = _Window(conn_id, segment_id, expiry_ms, mr)
         with self._lock:
             self._by_conn.setdefault(conn_id, []).append(window)

@@ -20,9 +20,10 @@ import ctypes
 import errno
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.common.log import get_logger, log_once
 
@@ -156,9 +157,9 @@ class QpInfo:
     mtu: Mtu
 
 
-@dataclass(frozen=True, slots=True)
-class WorkRequest:
-    """One signaled one-sided RDMA READ or WRITE of ``length`` bytes between a local and a remote MR."""
+class WorkRequest(NamedTuple):
+    """One signaled one-sided RDMA READ or WRITE of ``length`` bytes between a local and a remote MR (a tuple:
+    the client builds one per work request on its posting path, decision 0021)."""
 
     wr_id: int
     opcode: Opcode
@@ -245,6 +246,22 @@ class QueuePair(ABC):
         One at a time, so that a refused post (a full send queue) leaves no doubt about what was posted.
         """
 
+    def post_send_list(self, wrs: Sequence[WorkRequest]) -> int:
+        """Post several work requests in order, as one chained list where the library allows it (decision
+        0021). Returns how many were posted: all of them, or - when one was refused - those before it, the
+        refusal being :attr:`last_post_error`. A refused WR and those after it were not posted."""
+        self.last_post_error = None
+        for posted, wr in enumerate(wrs):
+            try:
+                self.post_send(wr)
+            except VerbsError as exc:
+                self.last_post_error = exc
+                return posted
+        return len(wrs)
+
+    last_post_error: VerbsError | None = None
+    """Why the last :meth:`post_send_list` stopped short (None: it posted everything)."""
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -306,6 +323,14 @@ class Verbs(ABC):
 
     @abstractmethod
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> DeviceContext: ...
+
+    def numa_node(self, device: str) -> int:
+        """The NUMA node a device sits on (sysfs ``device/numa_node``); -1 when unknown."""
+        try:
+            with open(f"/sys/class/infiniband/{device}/device/numa_node", encoding="ascii") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return -1
 
 
 # ---------------------------------------------------------------------- discovery
@@ -500,6 +525,7 @@ class _PvQP(QueuePair):
         self._ctx = ctx
         self._state = QpState.RESET
         self._num = int(qp.qp_num)
+        self._chain = PvSendChain()
 
     @property
     def qp_num(self) -> int:
@@ -542,6 +568,24 @@ class _PvQP(QueuePair):
             self._qp.post_send(pv_send_wr(wr))
         except Exception as exc:
             raise _wrap(f"post_send on QP {self._num}", exc) from exc
+
+    def post_send_list(self, wrs: Sequence[WorkRequest]) -> int:
+        """One ``ibv_post_send`` for the whole list, chained through ``next_wr`` with reused SendWR/SGE
+        objects; ``bad_wr`` says where the device stopped (the ones before it were posted)."""
+        self.last_post_error = None
+        if not wrs:
+            return 0
+        head = self._chain.build(wrs)
+        bad = pv_send_wr(wrs[0])  # where the device stopped: pyverbs copies the refused WR into it
+        bad.wr_id = _NO_WR
+        try:
+            self._qp.post_send(head, bad)
+        except Exception as exc:
+            self.last_post_error = _wrap(f"post_send of {len(wrs)} on QP {self._num}", exc)
+            # Where the device stopped is unknown: count every WR as posted, so that the caller waits for
+            # their completions (or flushes) before it lets go of the buffers.
+            return next((n for n, wr in enumerate(wrs) if wr.wr_id == bad.wr_id), len(wrs))
+        return len(wrs)
 
     def close(self) -> None:
         try:
@@ -611,6 +655,50 @@ def pv_error_attr() -> tuple[Any, int]:
     from pyverbs.qp import QPAttr
 
     return QPAttr(qp_state=e.IBV_QPS_ERR), int(e.IBV_QP_STATE)
+
+
+_NO_WR = (1 << 64) - 1
+
+
+class PvSendChain:
+    """Reusable pyverbs SendWR/SGE objects (decision 0021): building a SendWR costs several times what
+    refilling its fields does. pyverbs cannot unlink ``next_wr`` once set, so the links are made once, over a
+    ring of ``capacity`` objects each pointing to the next, and a list of n requests fills the *last* n
+    objects and posts from the first of them; the last object ends every chain."""
+
+    def __init__(self) -> None:
+        self._wrs: list[Any] = []
+        self._sges: list[Any] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self._wrs)
+
+    def build(self, wrs: Sequence[WorkRequest]) -> Any:
+        """The head of a chain carrying ``wrs`` in order."""
+        if len(wrs) > len(self._wrs):
+            self._grow(len(wrs), wrs[0])
+        start = len(self._wrs) - len(wrs)
+        for n, wr in enumerate(wrs):
+            send, sge = self._wrs[start + n], self._sges[start + n]
+            send.wr_id = wr.wr_id
+            send.opcode = int(wr.opcode)
+            send.set_wr_rdma(wr.rkey, wr.remote_addr)
+            sge.addr, sge.length, sge.lkey = wr.local_addr, wr.length, wr.lkey
+            send.sg_list = sge
+        return self._wrs[start]
+
+    def _grow(self, capacity: int, template: WorkRequest) -> None:
+        self._wrs = [pv_send_wr(template) for _ in range(capacity)]
+        self._sges = [_pv_sge(template) for _ in range(capacity)]
+        for send, following in zip(self._wrs, self._wrs[1:], strict=False):
+            send.next_wr = following
+
+
+def _pv_sge(wr: WorkRequest) -> Any:
+    from pyverbs.wr import SGE
+
+    return SGE(wr.local_addr, wr.length, wr.lkey)
 
 
 def pv_send_wr(wr: WorkRequest) -> Any:

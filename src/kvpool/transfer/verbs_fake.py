@@ -26,7 +26,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import threading
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.transfer.verbs import (
@@ -74,6 +76,8 @@ class FakeFabric:
     """The "wire" between fake devices: QPs are found by (GID, QP number) and bytes are copied directly."""
 
     def __init__(self) -> None:
+        self.nic_seconds = 0.0
+        """Time spent inside the fake NIC (checks and byte copies): ``post_us_per_wr`` takes it out."""
         self.lock = threading.RLock()
         self.faults = Faults()
         self.posted: list[WorkRequest] = []
@@ -136,9 +140,12 @@ class FakeVerbs(Verbs):
         max_mr_bytes: int = 1 << 30,
         max_qp_wr: int = 1024,
         mtu: Mtu = Mtu.MTU_4096,
+        numa_nodes: dict[str, int] | None = None,
     ) -> None:
         self.fabric = fabric if fabric is not None else FakeFabric()
         self.devices = devices
+        self.numa_nodes = dict(numa_nodes or {})
+        """The NUMA node each fake device claims to sit on (unknown: -1)."""
         self.max_mr_bytes = max_mr_bytes
         self.max_qp_wr = max_qp_wr
         self.mtu = mtu
@@ -149,6 +156,9 @@ class FakeVerbs(Verbs):
         if error is not None:
             raise error
         return list(self.devices)
+
+    def numa_node(self, device: str) -> int:
+        return self.numa_nodes.get(device, -1)
 
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> FakeContext:
         if device not in self.devices:
@@ -387,20 +397,50 @@ class FakeQP(QueuePair):
 
     # ---- data path
     def post_send(self, wr: WorkRequest) -> None:
+        with self.ctx.fabric.lock:
+            self._admit(wr)
+            self._run_all((wr,))
+
+    def post_send_list(self, wrs: Sequence[WorkRequest]) -> int:
+        """Like a chained ``ibv_post_send``: the checks and the queueing under one lock for the whole list,
+        then the NIC's work on the accepted ones (timed once for the list)."""
+        self.last_post_error = None
+        posted = len(wrs)
+        with self.ctx.fabric.lock:
+            for n, wr in enumerate(wrs):
+                try:
+                    self._admit(wr)
+                except VerbsError as exc:
+                    self.last_post_error = exc
+                    posted = n
+                    break
+            self._run_all(wrs[:posted])
+        return posted
+
+    def _admit(self, wr: WorkRequest) -> None:
+        """The checks a post makes before the WR is queued (called with the fabric lock held)."""
         fabric = self.ctx.fabric
-        with fabric.lock:
-            if self.closed:
-                raise VerbsError(f"QP {self._num} is destroyed", errno.EBADF)
-            if fabric.faults.post_failures > 0:
-                fabric.faults.post_failures -= 1
-                raise VerbsError("post_send failed (injected)", errno.ENOMEM)
-            if self._state not in (QpState.RTS, QpState.ERR):
-                raise VerbsError(f"post_send on QP {self._num} in state {self._state.name}", errno.EINVAL)
-            if self.outstanding >= self.max_send_wr:
-                raise VerbsError(f"send queue of QP {self._num} is full ({self.max_send_wr})", errno.ENOMEM)
-            self.outstanding += 1
-            fabric.posted.append(wr)
-            self._run(wr)
+        if self.closed:
+            raise VerbsError(f"QP {self._num} is destroyed", errno.EBADF)
+        if fabric.faults.post_failures > 0:
+            fabric.faults.post_failures -= 1
+            raise VerbsError("post_send failed (injected)", errno.ENOMEM)
+        if self._state not in (QpState.RTS, QpState.ERR):
+            raise VerbsError(f"post_send on QP {self._num} in state {self._state.name}", errno.EINVAL)
+        if self.outstanding >= self.max_send_wr:
+            raise VerbsError(f"send queue of QP {self._num} is full ({self.max_send_wr})", errno.ENOMEM)
+        self.outstanding += 1
+        fabric.posted.append(wr)
+
+    def _run_all(self, wrs: Sequence[WorkRequest]) -> None:
+        """What the NIC does with posted requests - checks, copy, completion - timed as the NIC's share
+        (``nic_seconds``; a real NIC does this without the client's CPU)."""
+        started = time.thread_time()
+        try:
+            for wr in wrs:
+                self._run(wr)
+        finally:
+            self.ctx.fabric.nic_seconds += time.thread_time() - started
 
     def _run(self, wr: WorkRequest) -> None:
         faults = self.ctx.fabric.faults

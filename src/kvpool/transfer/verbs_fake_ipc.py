@@ -25,9 +25,8 @@ import json
 import mmap
 import os
 import tempfile
-import time
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 from kvpool.common import envs
 from kvpool.common.log import get_logger
@@ -94,14 +93,14 @@ class IpcFakeFabric(FakeFabric):
 
     total_bytes_moved = 0
     """Bytes this process's fake NICs moved, all fabrics together (tests prove a run used RDMA with it)."""
+    bytes_by_device: ClassVar[dict[str, int]] = {}
+    """The same, per fake device of this process (tests prove that several NICs carried bytes)."""
 
     def __init__(self, directory: str | None = None) -> None:
         super().__init__()
         self.posted = deque(maxlen=1024)  # type: ignore[assignment]  # a long run must not keep every WR
         self.directory = directory or fabric_dir()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self.nic_seconds = 0.0
-        """Time spent inside the fake NIC (checks and byte copies): a benchmark subtracts it from posting."""
         self._peers: dict[str, tuple[int, dict[str, Any]]] = {}  # gid -> (version, state)
         self._versions: dict[str, mmap.mmap] = {}  # gid -> its 8-byte version counter, mapped
 
@@ -154,12 +153,15 @@ class IpcFakeVerbs(FakeVerbs):
     def __init__(
         self,
         directory: str | None = None,
-        devices: tuple[str, ...] = ("fake_mlx5_0",),
+        devices: tuple[str, ...] | None = None,
         max_mr_bytes: int = 1 << 30,
         max_qp_wr: int = 1024,
         mtu: Mtu = Mtu.MTU_4096,
+        numa_nodes: dict[str, int] | None = None,
     ) -> None:
-        super().__init__(IpcFakeFabric(directory), devices, max_mr_bytes, max_qp_wr, mtu)
+        if devices is None:
+            devices, numa_nodes = fake_devices_from_env()
+        super().__init__(IpcFakeFabric(directory), devices, max_mr_bytes, max_qp_wr, mtu, numa_nodes)
 
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> IpcFakeContext:
         if device not in self.devices:
@@ -294,11 +296,7 @@ class IpcFakeQP(FakeQP):
             self.ctx.publish()
 
     def _execute(self, wr: WorkRequest) -> WcStatus:
-        start = time.perf_counter()
-        try:
-            return self._execute_remote(wr)
-        finally:
-            self.ctx.ipc_fabric.nic_seconds += time.perf_counter() - start
+        return self._execute_remote(wr)  # timed as the NIC's share by FakeQP._run
 
     def _execute_remote(self, wr: WorkRequest) -> WcStatus:
         """What the NIC checks against the peer's published state, then the copy into or out of its process."""
@@ -342,6 +340,8 @@ class IpcFakeQP(FakeQP):
             return WcStatus.RETRY_EXC_ERR  # the peer process is gone
         self.ctx.fabric.bytes_moved += wr.length
         IpcFakeFabric.total_bytes_moved += wr.length
+        by_device = IpcFakeFabric.bytes_by_device
+        by_device[self.ctx.name] = by_device.get(self.ctx.name, 0) + wr.length
         return WcStatus.SUCCESS
 
 
@@ -350,6 +350,20 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def fake_devices_from_env() -> tuple[tuple[str, ...], dict[str, int]]:
+    """The fake devices ``KVPOOL_FAKE_VERBS_DEVICES`` names (``NAME[:NUMA_NODE][,...]``), with their NUMA nodes."""
+    names: list[str] = []
+    nodes: dict[str, int] = {}
+    for item in envs.KVPOOL_FAKE_VERBS_DEVICES.get().split(","):
+        name, _, node = item.strip().partition(":")
+        if not name:
+            continue
+        names.append(name)
+        if node.strip().lstrip("-").isdigit():
+            nodes[name] = int(node)
+    return (tuple(names) or ("fake_mlx5_0",)), nodes
 
 
 def fake_requested() -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from kvpool.common import log as log_module
 from kvpool.common.auth import TokenChecker
-from kvpool.common.clock import Deadline
+from kvpool.common.clock import Deadline, ManualClock
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import GrantOp, new_secret, sign
 from kvpool.proto import frames
@@ -388,6 +388,31 @@ def test_many_objects_round_trip_beyond_the_send_queue_depth() -> None:
         assert r.transport.transfer(reads, _deadline()) == [ErrorCode.OK] * n
         assert back == pool
         assert r.transport.stats.connects == 1
+    finally:
+        _teardown(r)
+
+
+def test_a_request_whose_grant_expired_before_posting_is_not_posted_and_spares_the_qp() -> None:
+    clock = ManualClock(wall_start_ms=int(time.time() * 1000))
+    r = make_rig(send_queue_depth=1, clock=clock)
+    try:
+        r.segment.view[:8192] = os.urandom(8192)
+        soon = clock.wall_ms() + 1000
+        first, second = bytearray(4096), bytearray(4096)
+        batch = r.transport.submit(
+            [r.request(GrantOp.READ, b"a", 0, first), r.request(GrantOp.READ, b"b", 4096, second, expiry_ms=soon)],
+            _deadline(),
+        )  # a send queue of one: the second waits for the first's completion
+        clock.advance(1.5)  # ... and its grant expires meanwhile
+        posted = len(r.fabric.posted)
+        assert batch.wait(_deadline()) == [ErrorCode.OK, ErrorCode.GRANT_EXPIRED]
+        assert len(r.fabric.posted) == posted  # never reached the NIC
+        assert first == r.segment.view[:4096]
+        assert second == bytes(4096)
+        # The QP lives on: the next request uses the same connection.
+        assert r.one(r.request(GrantOp.READ, b"c", 4096, second)) == ErrorCode.OK
+        assert second == r.segment.view[4096:8192]
+        assert (r.transport.stats.connects, r.transport.stats.broken_connections) == (1, 0)
     finally:
         _teardown(r)
 

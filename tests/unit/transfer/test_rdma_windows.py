@@ -15,6 +15,7 @@ from kvpool.common.clock import ManualClock
 from kvpool.common.errors import ErrorCode
 from kvpool.common.grants import Grant, GrantOp, new_secret, sign
 from kvpool.transfer.rdma_responder import RdmaResponder
+from kvpool.transfer.rdma_windows import WINDOW_GRACE_MS
 from kvpool.transfer.rdma_wire import _encode, grant_to_json, qp_info_from_json, qp_info_to_json
 from kvpool.transfer.verbs import Access, Opcode, QpInfo, QueuePair, WcStatus, WorkRequest, buffer_address
 from kvpool.transfer.verbs_fake import FakeCQ, FakeFabric, FakeMR, FakeVerbs
@@ -130,14 +131,27 @@ def test_a_read_grant_window_refuses_writes(rig: Rig) -> None:
     assert bytes(rig.segment.view[:4096]) == before
 
 
-def test_the_window_dies_when_the_grant_expires(rig: Rig) -> None:
+def test_the_window_dies_a_grace_after_the_grant_expires(rig: Rig) -> None:
     grant = rig.grant(GrantOp.READ, 0, 4096, ttl_ms=1000)
     peer = rig.connect("c1", grant)
     addr, rkey = rig.window("c1", grant)
-    rig.clock.advance(1.001)
     assert rig.responder.windows is not None
+    # Work posted just before the expiry may still be on the NIC: the window outlives the grant by the grace.
+    rig.clock.advance(1.001)
+    assert rig.responder.windows.sweep() == 0
+    assert peer.post(Opcode.RDMA_READ, addr, rkey, 4096) == WcStatus.SUCCESS
+    rig.clock.advance(WINDOW_GRACE_MS / 1000)
     assert rig.responder.windows.sweep() == 1
     assert peer.post(Opcode.RDMA_READ, addr, rkey, 4096) == WcStatus.REM_ACCESS_ERR
+
+
+def test_a_grant_that_expired_while_connecting_admits_a_qp_but_gets_no_window(rig: Rig) -> None:
+    grant = rig.grant(GrantOp.READ, 0, 4096, ttl_ms=10)
+    rig.clock.advance(0.02)
+    peer = rig.connect("c1", grant)  # admitted: the QP reaches nothing without a window
+    base = buffer_address(rig.segment.view)
+    segment_mr = next(mr for mr in rig.responder._mrs[SEG])  # noqa: SLF001 - the MR a peer must not use
+    assert peer.post(Opcode.RDMA_READ, base, segment_mr.rkey, 4096) == WcStatus.REM_ACCESS_ERR
 
 
 def test_a_removed_segment_and_a_closed_connection_take_their_windows(rig: Rig) -> None:

@@ -1,0 +1,123 @@
+"""Posting cost of the RDMA client (decision 0021): client CPU microseconds per work request, with the FAKE
+NIC's checks and copies taken out, for a HiCache-like batch (128 pages of 64 KiB), posted one work request
+at a time and as chained lists, interleaved round by round so machine load hits both alike; and, where
+Debian's pyverbs imports, what building a pyverbs SendWR costs against refilling a reused one.
+
+    PYTHONPATH=src python benchmarks/rdma_post_cost.py [--rounds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from kvpool.common.clock import Deadline
+from kvpool.common.grants import GrantOp, new_secret, sign
+from kvpool.transfer.base import Replica, TransferRequest
+from kvpool.transfer.rdma import RdmaResponder, RdmaTransport
+from kvpool.transfer.verbs import Opcode, WorkRequest
+from kvpool.transfer.verbs_fake import FakeFabric, FakeVerbs
+
+PAGE = 64 << 10
+PAGES = 128
+SEG_ID = 0xB0B
+FAR_FUTURE_MS = 4_000_000_000_000
+
+
+def _post_us(chained: bool, batches: int) -> float:
+    """post_us_per_wr of a fresh transport moving ``batches`` batches of 128 x 64 KiB READs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.unit.transfer.test_rdma_fake import ControlServer, _Segment
+
+    fabric = FakeFabric()
+    segment = _Segment(PAGES * PAGE)
+    secret = new_secret()
+    responder = RdmaResponder(FakeVerbs(fabric, devices=("fake_store",)), {SEG_ID: segment}, {SEG_ID: secret})
+    server = ControlServer(responder)
+    transport = RdmaTransport(FakeVerbs(fabric, devices=("fake_client",)), send_queue_depth=PAGES)
+    transport.note_store_info(server.endpoint, {"rdma": responder.advertisement()})
+    buf = bytearray(PAGES * PAGE)
+    view = memoryview(buf)
+    transport.register_memory(view)
+    requests = []
+    for i in range(PAGES):
+        key = b"p%d" % i
+        mac = sign(secret, GrantOp.READ, SEG_ID, i * PAGE, PAGE, FAR_FUTURE_MS, key)
+        replica = Replica(SEG_ID, "n", server.endpoint, "", i * PAGE, PAGE, FAR_FUTURE_MS, mac)
+        requests.append(TransferRequest(GrantOp.READ, key, replica, view[i * PAGE : (i + 1) * PAGE]))
+    try:
+        assert transport.transfer(requests[:1], Deadline(10)) == [0]  # connect outside the figure
+        for conn in transport._all_connections:  # noqa: SLF001 - the benchmark switches the posting mode
+            conn.chained = chained
+            conn.post_seconds, conn.work_requests = 0.0, 0
+        fabric.nic_seconds = 0.0
+        for _ in range(batches):
+            assert transport.transfer(requests, Deadline(30)) == [0] * PAGES
+        figure = transport.post_us_per_wr()
+        assert figure is not None
+        return figure
+    finally:
+        transport.close()
+        server.close()
+        responder.close()
+        segment.close()
+
+
+def _pyverbs_us() -> dict[str, float] | None:
+    """CPU microseconds to build a pyverbs SendWR+SGE, and to refill a reused one (None without pyverbs)."""
+    try:
+        from kvpool.transfer.verbs import PvSendChain, pv_send_wr
+    except ImportError:
+        return None
+    try:
+        import pyverbs.wr  # noqa: F401
+    except ImportError:
+        return None
+    wrs = [WorkRequest(i, Opcode.RDMA_READ, 0x1000 + i * PAGE, PAGE, 11, 0x2000 + i * PAGE, 22) for i in range(PAGES)]
+    n = 50
+    started = time.thread_time()
+    for _ in range(n):
+        for wr in wrs:
+            pv_send_wr(wr)
+    build = (time.thread_time() - started) / (n * PAGES) * 1e6
+    chain = PvSendChain()
+    chain.build(wrs)
+    started = time.thread_time()
+    for _ in range(n):
+        chain.build(wrs)
+    refill = (time.thread_time() - started) / (n * PAGES) * 1e6
+    return {"build_us_per_wr": build, "refill_us_per_wr": refill}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=20, help="batches of 128 x 64 KiB per figure")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    one: list[float] = []
+    chained: list[float] = []
+    for _ in range(args.rounds):
+        one.append(_post_us(False, args.batches))
+        chained.append(_post_us(True, args.batches))
+    out: dict[str, Any] = {
+        "one_by_one_post_us_per_wr": statistics.median(one),
+        "chained_post_us_per_wr": statistics.median(chained),
+        "ratio_chained_to_one_by_one": statistics.median(c / o for c, o in zip(chained, one, strict=True)),
+        "rounds": args.rounds,
+        "pyverbs": _pyverbs_us(),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
