@@ -19,6 +19,8 @@ object index: ``(ssd segment, offset)``, with the usual PROCESSING/COMPLETE stat
   ``DEMOTION_BACKLOG`` (the client retries until its deadline) instead of dropping objects the SSD could
   hold. Only when no demotion can help (no SSD tier on that store, the SSD full, its disk failing) does an
   eviction forced by a failed allocation (``urgent``) drop objects as before; drops are counted.
+  That is the default burst policy; ``drop-coldest`` (master/burst.py) never refuses the put and lets the
+  urgent eviction drop the coldest objects at once, counted as ``burst_dropped``.
 * **Promotion.** Reads (``get_replicas`` with a lease) of an object that lives only on SSD are counted;
   after ``promote_after_hits`` reads a DRAM range is allocated on the same store and a PROMOTE task makes
   the store copy SSD -> DRAM; the DRAM replica becomes COMPLETE when the store reports it. The SSD copy
