@@ -57,6 +57,7 @@ METRICS = {
     "kvpool_master_promotions_total",
     "kvpool_master_dram_dropped_total",
     "kvpool_master_puts_backpressured_total",
+    "kvpool_master_burst_dropped_total",
     "kvpool_master_demote_pending_bytes",
     "kvpool_store_ssd_written_bytes_total",
     "kvpool_store_ssd_read_bytes_total",

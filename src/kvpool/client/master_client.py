@@ -106,8 +106,11 @@ class _Conn:
 
     def arm(self, timeout: float) -> None:
         # Re-arm when the armed timeout would overshoot this call's by more than 10% (or 2 ms): two
-        # setsockopt calls per round trip would cost more than the comparison.
-        if self.armed < 0 or self.armed - timeout > max(0.002, 0.1 * timeout):
+        # setsockopt calls per round trip would cost more than the comparison. Also when it would cut the
+        # call short by more than 1% (or 2 ms): a call whose deadline was nearly spent arms a tiny timeout,
+        # and the connection goes back to the pool with it.
+        armed = self.armed
+        if armed < 0 or armed - timeout > max(0.002, 0.1 * timeout) or timeout - armed > max(0.002, 0.01 * timeout):
             set_io_timeout(self.sock, timeout)
             self.armed = timeout
 

@@ -27,6 +27,7 @@ from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
 from kvpool.client.store_failures import StoreFailureReporter
+from kvpool.client.unanswered_puts import UnansweredPuts
 from kvpool.common import envs
 from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
@@ -57,6 +58,8 @@ _SUSPECT_S = 5.0
 
 # Codes a put maps to success: the value is immutable and already there (or on its way).
 _PUT_OK = {ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_NOT_READY}
+_REVOKE_TIMEOUT_S = 1.0
+"""Deadline of the revoke that follows an unanswered BatchPutStart (the put's own deadline has passed)."""
 BACKLOG_FIRST_PAUSE_S = 0.001
 BACKLOG_MAX_PAUSE_S = 0.01
 """Pauses before asking again for keys refused with DEMOTION_BACKLOG (PoolClient._start_puts)."""
@@ -197,6 +200,7 @@ class PoolClient:
         )
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()
+        self._unanswered = UnansweredPuts()
         self._renewer = LeaseRenewer(self._renew_leases) if cfg.lease_renewal and cfg.lease_cache_entries else None
         self._leases = LeaseCache(
             cfg.lease_cache_entries,
@@ -314,8 +318,16 @@ class PoolClient:
         try:
             started = self._start_puts(request, deadline)
         except KvPoolError as exc:
+            self._revoke_unanswered(keys, exc)
             self._counters.add(put_errors=len(keys), degraded_calls=1)
             return [int(exc.code)] * len(keys)
+        if self._unanswered:
+            try:
+                self._retake_unanswered(request, started, deadline)
+            except KvPoolError as exc:  # the keys started above will not be written
+                self._abandon(keys)
+                self._counters.add(put_errors=len(keys), degraded_calls=1)
+                return [int(exc.code)] * len(keys)
         # Each value's checksum is computed by the transport lane that sends it, just before the send.
         sums = [LazyChecksum(v) for v in views]
         transfers: list[tuple[int, TransferRequest]] = []
@@ -360,10 +372,57 @@ class PoolClient:
             self._counters.add(put_backlog_retries=len(waiting))
             try:
                 answer = self._master.call(frames.Op.BATCH_PUT_START, again, deadline)
-            except KvPoolError:  # the deadline ran out during the retry: those keys keep saying why
+            except KvPoolError as exc:  # the deadline ran out during the retry: those keys keep saying why
+                self._revoke_unanswered(again.keys, exc)
                 return started
             for i, result in zip(waiting, answer.results, strict=True):
                 started.results[i].CopyFrom(result)
+
+    def _revoke_unanswered(self, keys: Sequence[str], exc: KvPoolError) -> None:
+        """A BatchPutStart whose answer did not come before the deadline may still have been carried out:
+        its keys would stay unfinished puts of this client that nobody writes, and a later put of them would
+        be answered OBJECT_NOT_READY (counted as success) until the master reclaims them after put_timeout_s:
+        an acknowledged put lost. Revoke them (the master leaves keys this client did not start alone). The
+        master answers requests one at a time, so the revoke, sent after the start, normally finds it done."""
+        if exc.code == ErrorCode.TIMEOUT:  # not when refused, or unreachable (a new leader knows no such put)
+            self._abandon(keys)
+
+    def _abandon(self, keys: Sequence[str]) -> None:
+        """Revoke puts this client may have started and will not write, and remember them: the revoke may
+        fail or overtake the start (client/unanswered_puts.py)."""
+        self._unanswered.note(keys)
+        try:
+            self._revoke(keys, Deadline(_REVOKE_TIMEOUT_S))
+        except KvPoolError as revoke_exc:
+            log.debug("revoking %d unanswered puts failed (%s): a later put of them does", len(keys), revoke_exc)
+
+    def _revoke(self, keys: Sequence[str], deadline: Deadline) -> None:
+        self._master.call(
+            frames.Op.BATCH_PUT_REVOKE,
+            pb.BatchPutRevokeRequest(client_id=self.client_id, keys=list(keys)),
+            deadline,
+        )
+
+    def _retake_unanswered(
+        self, request: pb.BatchPutStartRequest, started: pb.BatchPutStartResponse, deadline: Deadline
+    ) -> None:
+        """Keys answered OBJECT_NOT_READY that an unanswered start of this client may hold: revoke them and
+        ask again, so that the answer is about a put that someone will finish (raises KvPoolError)."""
+        stale = [
+            i
+            for i, r in enumerate(started.results)
+            if self._unanswered.forget(request.keys[i]) and r.code == ErrorCode.OBJECT_NOT_READY
+        ]
+        if not stale:
+            return
+        keys = [request.keys[i] for i in stale]
+        self._revoke(keys, Deadline(max(deadline.remaining() or 0.0, _REVOKE_TIMEOUT_S)))
+        again = pb.BatchPutStartRequest(
+            keys=keys, sizes=[request.sizes[i] for i in stale], client_id=request.client_id, config=request.config
+        )
+        answer = self._start_puts(again, deadline)
+        for i, result in zip(stale, answer.results, strict=True):
+            started.results[i].CopyFrom(result)
 
     def _write_all(self, transfers: list[tuple[int, TransferRequest]], deadline: Deadline) -> dict[int, ErrorCode]:
         """Write every replica; a key's code is its first failure (all replicas must land)."""

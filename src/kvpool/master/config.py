@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvpool.common import envs
 from kvpool.common.config import check_ports, option
 from kvpool.common.units import parse_duration, parse_size
+from kvpool.master.burst import BURST_POLICIES
 from kvpool.master.eviction import EVICTION_POLICIES
 from kvpool.master.placement import PLACEMENT_POLICIES
 
@@ -87,6 +88,14 @@ class MasterConfig:
         0.25,
         "Most DRAM (fraction of the pool) waiting to be demoted; past it victims wait in DRAM and puts that find "
         "DRAM full are held back (DEMOTION_BACKLOG) until demotions catch up.",
+    )
+    ssd_burst_policy: str = option(
+        "backpressure",
+        "What a put that finds DRAM full while demotions are in flight gets: backpressure (refused with "
+        "DEMOTION_BACKLOG, the client retries until its deadline: nothing the SSD could hold is lost) or "
+        "drop-coldest (stored at once; the coldest DRAM objects without an SSD copy are dropped, counted as "
+        "burst_dropped).",
+        choices=BURST_POLICIES.names(),
     )
     tier_task_timeout_s: float = option(
         30.0, "A demote/promote task not reported done after this long is abandoned.", parse=parse_duration

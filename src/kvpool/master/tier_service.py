@@ -26,6 +26,8 @@ _COUNTERS = {
     "promote_failures": "Promotions that failed or timed out",
     "dram_dropped": "DRAM victims dropped without an SSD copy while the pool has an SSD tier",
     "dram_dropped_urgent": "DRAM victims dropped by an eviction forced by a failed allocation",
+    "burst_dropped": "DRAM victims dropped to fit a put while demotions were in flight (drop-coldest burst policy)",
+    "burst_dropped_bytes": "Bytes of DRAM victims dropped to fit a put while demotions were in flight",
     "ssd_evictions": "SSD replicas dropped by the SSD tier's watermark",
     "ssd_evicted_bytes": "Bytes of SSD replicas dropped by the SSD tier's watermark",
     "tier_tasks_expired": "Tier tasks abandoned after tier_task_timeout_s",

@@ -19,6 +19,8 @@ object index: ``(ssd segment, offset)``, with the usual PROCESSING/COMPLETE stat
   ``DEMOTION_BACKLOG`` (the client retries until its deadline) instead of dropping objects the SSD could
   hold. Only when no demotion can help (no SSD tier on that store, the SSD full, its disk failing) does an
   eviction forced by a failed allocation (``urgent``) drop objects as before; drops are counted.
+  That is the default burst policy; ``drop-coldest`` (master/burst.py) never refuses the put and lets the
+  urgent eviction drop the coldest objects at once, counted as ``burst_dropped``.
 * **Promotion.** Reads (``get_replicas`` with a lease) of an object that lives only on SSD are counted;
   after ``promote_after_hits`` reads a DRAM range is allocated on the same store and a PROMOTE task makes
   the store copy SSD -> DRAM; the DRAM replica becomes COMPLETE when the store reports it. The SSD copy
@@ -49,6 +51,7 @@ from kvpool.common.clock import Clock
 from kvpool.common.errors import ErrorCode
 from kvpool.common.log import get_logger
 from kvpool.master.allocator import OffsetAllocator
+from kvpool.master.burst import make_burst_policy
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import Candidate
 from kvpool.master.objects import COMPLETE, HARD_PIN, ObjectMeta, Replica, ReplicaStatus
@@ -237,6 +240,9 @@ class _Counters:
     """Objects evicted from DRAM with no SSD copy although the pool has an SSD tier (urgent, cap, no room)."""
     dram_dropped_urgent: int = 0
     """... of which by an eviction forced by a failed allocation (demotion did not keep up)."""
+    burst_dropped: int = 0
+    """... of which while demotions were in flight: the drop-coldest burst policy's drops (master/burst.py)."""
+    burst_dropped_bytes: int = 0
     ssd_evictions: int = 0
     ssd_evicted_bytes: int = 0
     tasks_expired: int = 0
@@ -267,6 +273,7 @@ class TierManager:
         self._table = table
         self._free_ranges = free_ranges
         self._hold_ranges = hold_ranges
+        self.burst_policy = make_burst_policy(config.ssd_burst_policy)
         self._lock = threading.Lock()
         self._channels: dict[str, TierChannel] = {}
         self._hits: OrderedDict[str, int] = OrderedDict()
@@ -359,6 +366,9 @@ class TierManager:
                 self._c.dram_dropped += 1
                 if urgent:
                     self._c.dram_dropped_urgent += 1
+                    if self._c.pending_bytes > 0:  # the burst policy chose to drop rather than wait
+                        self._c.burst_dropped += 1
+                        self._c.burst_dropped_bytes += freed
         return freed, gone
 
     def _start_demote(self, key: str, meta: ObjectMeta, dram: list[Replica], now: float) -> _Demote:
@@ -407,8 +417,9 @@ class TierManager:
 
     def backpressure(self, keys: int) -> bool:
         """A put found DRAM full: True (count ``keys`` refused with DEMOTION_BACKLOG) when demotions in
-        flight will free DRAM soon, False when nothing will (the caller drops by an urgent eviction)."""
-        if self._c.pending_bytes <= 0:
+        flight will free DRAM soon and the burst policy holds puts back; False when nothing will free DRAM
+        or the policy is drop-coldest (the caller drops the coldest objects by an urgent eviction)."""
+        if self._c.pending_bytes <= 0 or not self.burst_policy.holds_back:
             return False
         with self._lock:
             self._c.puts_backpressured += keys
@@ -718,6 +729,8 @@ class TierManager:
                 "promote_failures": c.promote_failures,
                 "dram_dropped": c.dram_dropped,
                 "dram_dropped_urgent": c.dram_dropped_urgent,
+                "burst_dropped": c.burst_dropped,
+                "burst_dropped_bytes": c.burst_dropped_bytes,
                 "ssd_evictions": c.ssd_evictions,
                 "ssd_evicted_bytes": c.ssd_evicted_bytes,
                 "tier_tasks_expired": c.tasks_expired,

@@ -154,7 +154,8 @@ def parse_records(raw: bytes) -> tuple[list[tuple[int, SsdEntry]], int | None, s
 
 @dataclass(frozen=True, slots=True)
 class DemoteItem:
-    """One object of a batched write: its SSD offset, key, value (a view of the DRAM segment) and checksum."""
+    """One object of a batched write: its SSD offset, key, value (a view of the DRAM segment) and checksum;
+    of a batched read (:meth:`SsdTier.read_many`), ``value`` is the DRAM range the object lands in."""
 
     offset: int
     key: bytes
@@ -404,6 +405,39 @@ class SsdTier:
             return ErrorCode.INTERNAL
         self.note_read(done)
         return ErrorCode.OK if checksum(dest) == value_checksum else ErrorCode.CHECKSUM_MISMATCH
+
+    def read_many(self, items: Sequence[DemoteItem]) -> list[ErrorCode]:
+        """Read a batch of objects into their buffers (``value``: where each lands; one code per item, in
+        order): adjacent objects in one ``preadv`` (O_DIRECT where aligned), runs and checksums on the I/O
+        threads. A run the disk reads short or refuses is read again object by object."""
+        codes: list[ErrorCode] = []
+        for item in items:
+            found = self.locate(item.offset, item.key, len(item.value))
+            codes.append(found if isinstance(found, ErrorCode) else ErrorCode.OK)
+        valid = sorted((i for i, code in enumerate(codes) if code == ErrorCode.OK), key=lambda i: items[i].offset)
+        runs = _runs([items[i] for i in valid], valid)
+        verify: list[int] = []
+        for run, whole in zip(runs, self._map(self._read_run, runs, lambda r: r.length), strict=True):
+            if whole:
+                verify += run.indexes
+                continue
+            for i in run.indexes:
+                item = items[i]
+                codes[i] = self.read_into(item.offset, item.key, item.value, item.checksum)
+        sums = self._map(lambda i: checksum(items[i].value), verify, lambda i: len(items[i].value))
+        for i, value_checksum in zip(verify, sums, strict=True):
+            if value_checksum != items[i].checksum:
+                codes[i] = ErrorCode.CHECKSUM_MISMATCH
+        self.note_read(sum(len(items[i].value) for i in verify))
+        return codes
+
+    def _read_run(self, run: _Run) -> bool:
+        """Read one run of adjacent objects with one preadv; False when it came back short or refused."""
+        fd = self._direct_fd if run.aligned and self._direct_fd >= 0 else self._data_fd
+        try:
+            return os.preadv(fd, run.parts, run.offset) == run.length
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------ views
 

@@ -86,6 +86,8 @@ TIER_STATS = (
     "promote_failures",
     "dram_dropped",
     "dram_dropped_urgent",
+    "burst_dropped",
+    "burst_dropped_bytes",
     "puts_backpressured",
     "ssd_evictions",
     "ssd_evicted_bytes",
@@ -109,7 +111,8 @@ def _tier_lines(d: dict[str, Any]) -> str:
     return (
         f"\nSSD       {format_size(d['ssd_capacity_bytes'])}, used {format_size(d['ssd_used_bytes'])} "
         f"({d['ssd_used_bytes'] / d['ssd_capacity_bytes']:.1%})\n"
-        f"tiering   {d['demotions']} demoted, {d['promotions']} promoted, {d['dram_dropped']} dropped, "
+        f"tiering   {d['demotions']} demoted, {d['promotions']} promoted, {d['dram_dropped']} dropped "
+        f"({d['burst_dropped']} in bursts), "
         f"backlog {format_size(d['demote_pending_bytes'])}\n"
         f"SSD I/O   write {d['ssd_write_bps'] / 1e9:.3f} GB/s, read {d['ssd_read_bps'] / 1e9:.3f} GB/s"
     )

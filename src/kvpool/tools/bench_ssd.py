@@ -13,10 +13,16 @@ blocks, as ``dd oflag=direct bs=4M`` does), then starts a local cluster of a mas
 * **SSD reads**: the page cache of the tier's data file is dropped (``posix_fadvise``), then the burst's keys
   that live only on SSD are read back in batches of ``--batch`` with ``batch_get_into`` (the client verifies
   each value's checksum; the bench checks each value's first bytes): ``ssd_read_gbps``;
+* **promotion**: the burst's objects still in DRAM are removed, then a second leased lookup of a batch of
+  SSD-only objects (half the DRAM's worth; the SSD reads above were the first) makes the master schedule
+  their promotion (``--promote-after-hits 2``); ``promote_gbps`` is their bytes over the time from that
+  lookup until the master has every promotion's result (the store's O_DIRECT reads into its segment);
 * then everything is removed, so the next run starts from an empty pool.
 
-The master runs with ``--promote-after-hits 0`` (reads do not copy objects back to DRAM). Each figure is
-the median of the runs; ``runs`` has every run's figures (the noise).
+``--burst-policy`` picks the master's ``--ssd-burst-policy``: ``backpressure`` (the default: puts are held
+back, nothing is dropped) or ``drop-coldest`` (puts are never held back; ``burst_dropped`` counts the
+objects dropped instead, and ``burst_kept_fraction`` shows what that costs). Each figure is the median of
+the runs; ``runs`` has every run's figures (the noise).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.master.burst import BURST_POLICIES
 from kvpool.tools.argtypes import positive_float, positive_int, size_bytes
 
 DISK_PROBE_BYTES = 256 << 20
@@ -53,6 +60,9 @@ class RunResult:
     read_bytes: int
     puts_backpressured: int
     dram_dropped: int
+    burst_dropped: int = 0
+    promote_gbps: float = 0.0
+    promoted: int = 0
 
 
 @dataclass
@@ -70,6 +80,10 @@ class Report:
     dram_bytes: int
     ssd_bytes: int
     runs: list[dict[str, Any]] = field(default_factory=list)
+    burst_policy: str = "backpressure"
+    promote_gbps: float = 0.0
+    promote_ratio: float = 0.0
+    """promote_gbps / disk_read_gbps."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=16, help="values per batched put/get (default 16)")
     parser.add_argument(
         "--burst-factor", type=positive_float, default=4.0, help="the burst puts this many x DRAM (default 4)"
+    )
+    parser.add_argument(
+        "--burst-policy",
+        default="backpressure",
+        choices=BURST_POLICIES.names(),
+        help="the master's --ssd-burst-policy (default backpressure)",
     )
     parser.add_argument("--runs", type=positive_int, default=3, help="runs; medians are reported (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -193,6 +213,7 @@ def one_run(master: str, data_file: Path, args: argparse.Namespace, run: int) ->
             latencies.append(time.perf_counter() - t0)
             if any(c != 0 for c in codes):
                 raise batch_failure("burst put failed", [c for c in codes if c != 0])
+        # (drop-coldest: a dropped key reads as missing below, which is what burst_kept_fraction counts)
         burst_s = time.perf_counter() - burst_started
         deadline = time.monotonic() + 120.0
         while not _settled(pool, args.dram) and time.monotonic() < deadline:
@@ -202,6 +223,7 @@ def one_run(master: str, data_file: Path, args: argparse.Namespace, run: int) ->
         demote_gbps, demoted = _demote_rate(sampler.samples)
         present = [k for k, e in zip(keys, pool.batch_exists(keys), strict=True) if e > 0]
         read_gbps, read_bytes = _read_ssd(pool, present, data_file, obj, batch)
+        promote_gbps, promoted = _promote(pool, present, args.dram // 2 // obj, obj)
         after = pool.stats().extra
         pool.remove_all(force=True)
         wait_until = time.monotonic() + 60.0
@@ -218,6 +240,9 @@ def one_run(master: str, data_file: Path, args: argparse.Namespace, run: int) ->
         read_bytes,
         int(after.get("puts_backpressured", 0) - before.get("puts_backpressured", 0)),
         int(after.get("dram_dropped", 0) - before.get("dram_dropped", 0)),
+        int(after.get("burst_dropped", 0) - before.get("burst_dropped", 0)),
+        promote_gbps,
+        promoted,
     )
 
 
@@ -233,6 +258,39 @@ def _ssd_only(pool: Any, keys: list[str]) -> list[str]:
         resp = pool._master.call(frames.Op.BATCH_GET_REPLICAS, request, Deadline(10.0))
         out += [k for k, r in zip(part, resp.results, strict=True) if r.replicas and all(d.tier for d in r.replicas)]
     return out
+
+
+def _promote(pool: Any, keys: list[str], most: int, obj: int) -> tuple[float, int]:
+    """Promote up to ``most`` SSD-only objects among ``keys`` (already read once) as the master schedules
+    it: (GB/s from the second leased lookup until every promotion is reported, objects promoted)."""
+    from kvpool.common.clock import Deadline
+    from kvpool.proto import frames
+    from kvpool.proto import master_pb2 as pb
+
+    on_ssd = set(_ssd_only(pool, keys))
+    in_dram = [k for k in keys if k not in on_ssd]
+    for start in range(0, len(in_dram), 512):  # room in DRAM: a promotion never evicts
+        pool.batch_remove(in_dram[start : start + 512], force=True)
+    chosen = [k for k in keys if k in on_ssd][:most]
+    if not chosen:
+        return 0.0, 0
+
+    def reported() -> tuple[int, int]:
+        extra = pool.stats().extra
+        return int(extra.get("promotions", 0)), int(extra.get("promote_failures", 0))
+
+    ok0, failed0 = reported()
+    started = time.perf_counter()
+    for start in range(0, len(chosen), 512):  # the second read of each: the master queues its promotion
+        request = pb.BatchGetReplicasRequest(keys=chosen[start : start + 512])
+        pool._master.call(frames.Op.BATCH_GET_REPLICAS, request, Deadline(10.0))
+    deadline = time.monotonic() + 60.0
+    ok, failed = ok0, failed0
+    while ok - ok0 + failed - failed0 < len(chosen) and time.monotonic() < deadline:
+        time.sleep(SAMPLE_S / 10)  # a benchmark polling the master's counters, not a test
+        ok, failed = reported()
+    elapsed = time.perf_counter() - started
+    return (ok - ok0) * obj / elapsed / 1e9, ok - ok0
 
 
 def _read_ssd(pool: Any, keys: list[str], data_file: Path, obj: int, batch: int) -> tuple[float, int]:
@@ -271,7 +329,8 @@ def measure(args: argparse.Namespace, directory: Path) -> Report:
 
     disk = [measure_disk(directory) for _ in range(args.runs)]
     ssd_dir = directory / "ssd"
-    cluster = LocalCluster(stores=0, base_dir=directory / "cluster", master_args=("--promote-after-hits", "0"))
+    master_args = ("--promote-after-hits", "2", "--ssd-burst-policy", args.burst_policy)
+    cluster = LocalCluster(stores=0, base_dir=directory / "cluster", master_args=master_args)
     cluster.start()
     results: list[RunResult] = []
     try:
@@ -286,6 +345,7 @@ def measure(args: argparse.Namespace, directory: Path) -> Report:
     disk_read = statistics.median(r for _, r in disk)
     demote = statistics.median(r.demote_gbps for r in results)
     ssd_read = statistics.median(r.ssd_read_gbps for r in results)
+    promote = statistics.median(r.promote_gbps for r in results)
     return Report(
         disk_write,
         disk_read,
@@ -300,6 +360,9 @@ def measure(args: argparse.Namespace, directory: Path) -> Report:
         args.dram,
         args.ssd,
         [{"disk_write_gbps": w, "disk_read_gbps": r, **asdict(x)} for (w, r), x in zip(disk, results, strict=True)],
+        args.burst_policy,
+        promote,
+        promote / disk_read if disk_read else 0.0,
     )
 
 
@@ -322,4 +385,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"demotion        {report.demote_gbps:.2f} GB/s  ({report.demote_ratio:.2f} x disk write)")
     print(f"burst kept      {report.burst_kept_fraction:.4f}   put p99 {report.put_p99_ms_during_burst:.1f} ms")
     print(f"SSD reads       {report.ssd_read_gbps:.2f} GB/s  ({report.ssd_read_ratio:.2f} x disk read)")
+    print(f"promotion       {report.promote_gbps:.2f} GB/s  ({report.promote_ratio:.2f} x disk read)")
+    print(f"burst policy    {report.burst_policy}")
     return 0

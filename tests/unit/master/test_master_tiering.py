@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from master_scenario import OK, Cluster, KiB, checksum_of
 
 from kvpool.common.errors import ErrorCode as E
@@ -142,6 +143,37 @@ def test_a_full_pool_refuses_puts_with_backlog_while_demotions_free_dram_and_dro
     assert c.present(["k0", "new"]) == ["k0", "new"]
     assert tiers_of(c, "k0") == [1]
     c.check()
+
+
+def test_the_drop_coldest_burst_policy_stores_the_put_at_once_and_counts_the_coldest_object_it_drops() -> None:
+    c = tiered(eviction_high_watermark=1.0, eviction_target=0.9, ssd_burst_policy="drop-coldest")
+    put_pages(c, 10)
+    # Full: the put queues a demotion (k0, the coldest) as under backpressure, but does not wait for it:
+    # the coldest object with no copy in flight (k1) is dropped to fit it.
+    assert c.put("new", size=PAGE) == [OK]
+    assert c.present(["k0", "k1", "k2", "new"]) == ["k0", "k2", "new"]
+    stats = c.state.tiers.stats()
+    assert (stats["burst_dropped"], stats["burst_dropped_bytes"], stats["puts_backpressured"]) == (1, PAGE, 0)
+    assert (stats["dram_dropped"], stats["dram_dropped_urgent"]) == (1, 1)
+    [demote] = tasks(c)
+    assert demote.key == "k0"  # the demotion in flight goes on: k0 is kept, on SSD
+    report(c, [(demote, E.OK)])
+    assert tiers_of(c, "k0") == [1]
+    c.check()
+
+
+def test_under_backpressure_no_put_drops_an_object_while_demotions_are_in_flight() -> None:
+    c = tiered(eviction_high_watermark=1.0, eviction_target=0.9)
+    put_pages(c, 10)
+    assert c.state.tiers.burst_policy.name == "backpressure"  # the default
+    assert c.put("a", "b", "c", size=PAGE) == [E.DEMOTION_BACKLOG] * 3
+    stats = c.state.tiers.stats()
+    assert (stats["burst_dropped"], stats["dram_dropped"], stats["puts_backpressured"]) == (0, 0, 3)
+
+
+def test_an_unknown_burst_policy_is_refused_with_the_known_names() -> None:
+    with pytest.raises(ValueError, match="backpressure or drop-coldest"):
+        tiered(ssd_burst_policy="drop-hottest")
 
 
 def test_with_no_room_on_the_ssd_a_put_drops_the_coldest_object_and_never_waits() -> None:

@@ -19,7 +19,17 @@ from kvpool.proto import master_pb2 as pb
 from kvpool.proto.frames import HEADER, TransferDesc
 from kvpool.store.inventory import Inventory, InventoryEntry
 from kvpool.store.segment import ShmSegment
-from kvpool.store.ssd import DELETE, FILE_MAGIC, PUT, SsdEntry, SsdScan, SsdTier, encode_record, parse_records
+from kvpool.store.ssd import (
+    DELETE,
+    FILE_MAGIC,
+    PUT,
+    DemoteItem,
+    SsdEntry,
+    SsdScan,
+    SsdTier,
+    encode_record,
+    parse_records,
+)
 from kvpool.store.tiering import TierWorker, read_tier_part, serve_tier_read
 
 CAP = 1 << 20
@@ -523,4 +533,41 @@ def test_large_values_are_hashed_and_written_on_the_io_threads(tmp_path: Path, t
             assert bytes(dest) == values[i]
         assert tier.written_bytes == 3 * big
     finally:
+        seg.close()
+
+
+def test_a_batch_of_adjacent_objects_is_read_with_one_preadv_each_value_checked(
+    tmp_path: Path, tier: SsdTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = 4096
+    values = [value(page, seed) for seed in range(6)]
+    for i, data in enumerate(values):
+        assert put(tier, i * page, f"r{i}".encode(), data) == E.OK
+    seg = ShmSegment.create(str(tmp_path), "seg", 1 << 16, segment_id=5)
+    reads: list[int] = []
+    real_preadv = os.preadv
+
+    def counted(fd: int, buffers: Any, offset: int) -> int:
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    try:
+        # Out of order, into scattered DRAM slots; r2 is asked with a wrong checksum, r9 does not exist.
+        slots = [5, 0, 9, 2, 7, 11]
+        items = [
+            DemoteItem(i * page, f"r{i}".encode(), seg.view[s * page : (s + 1) * page], checksum(values[i]))
+            for i, s in zip([3, 0, 2, 1, 5, 4], slots, strict=True)
+        ]
+        items[2] = DemoteItem(2 * page, b"r2", items[2].value, checksum(values[2]) ^ 1)
+        items.append(DemoteItem(9 * page, b"r9", seg.view[14 * page : 15 * page], 0))
+        codes = tier.read_many(items)
+        assert codes == [E.OK, E.OK, E.CHECKSUM_MISMATCH, E.OK, E.OK, E.OK, E.OBJECT_NOT_FOUND]
+        assert reads == [0]  # r0..r5 are adjacent on the SSD: one preadv for all six
+        for i, s in zip([3, 0, 1, 5, 4], [5, 0, 2, 7, 11], strict=True):
+            assert bytes(seg.view[s * page : (s + 1) * page]) == values[i]
+        assert tier.read_bytes == 6 * page  # what left the disk, the refused r2 included
+    finally:
+        for item in items:
+            item.value.release()
         seg.close()
