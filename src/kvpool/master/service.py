@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from kvpool.common import tls
 from kvpool.common.auth import TokenChecker
 from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.groups import group_of
 from kvpool.common.httpserver import MetricsServer
 from kvpool.common.log import get_logger
 from kvpool.master import convert, tier_service
@@ -224,6 +225,20 @@ class MasterHandlers:
     def _check_batch(self, keys: Any) -> None:
         if len(keys) > self.config.max_batch:
             raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys > max_batch {self.config.max_batch}")
+        if self.config.groups > 1:
+            self._check_group(keys)
+
+    def _check_group(self, keys: Any) -> None:
+        """Refuse a batch holding a key of another shard group: a mis-routed key would be stored where
+        its owner never looks (decision 0080)."""
+        groups, mine = self.config.groups, self.config.group
+        for key in keys:
+            owner = group_of(key, groups)
+            if owner != mine:
+                raise KvPoolError(
+                    ErrorCode.WRONG_GROUP,
+                    f"key {key[:64]!r} belongs to shard group {owner} of {groups}; this master serves group {mine}",
+                )
 
     # --- cluster ---------------------------------------------------------------------------------
 
@@ -238,6 +253,8 @@ class MasterHandlers:
             max_key_bytes=self.config.max_key_bytes,
             max_object_bytes=self.config.max_object_bytes,
             max_batch=self.config.max_batch,
+            group=self.config.group,
+            groups=self.config.groups,
         )
 
     def GetStats(self, req: pb.StatsRequest) -> pb.StatsResponse:  # noqa: N802
