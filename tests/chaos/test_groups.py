@@ -6,6 +6,7 @@ or a drained node takes its segment out of every group.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ import pytest
 
 from kvpool.client import ClientConfig, PoolClient
 from kvpool.common.groups import group_of
+from kvpool.proto import master_pb2 as pb
+from kvpool.tools import admin
 from kvpool.tools.bench_failover import serving_leader
 from kvpool.tools.etcd_process import etcd_binary
 from kvpool.tools.local_cluster import LocalCluster
@@ -165,3 +168,30 @@ def test_a_store_killed_with_two_groups(groups_cluster: LocalCluster) -> None:
         fresh = _write(pool, "after", 100)  # both groups place new objects on the surviving store
         assert {group_of(k, 2) for k in fresh} == {0, 1}
         assert _read_all(pool, fresh) == (100, 0)
+
+
+def test_drain_with_two_groups(groups_cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = groups_cluster
+    cluster.add_store()  # after the store kill above: a second store to drain onto
+    (survivor, fresh) = [s for s in cluster.stores if s.pid and _alive_store(s.pid)][-2:]
+    with _pool(cluster.master) as pool:
+        wait_for(lambda: len(pool.stats().segments) == 4, 20, "the new store to mount to both groups")
+        written = _write(pool, "drain", 200)
+        store_id = str(survivor.endpoints["store_id"])
+        code = admin.main(["--master", cluster.master, "--json", "drain", store_id, "--wait", "--timeout", "60"])
+        doc = json.loads(capsys.readouterr().out)
+        assert code == 0, doc
+        assert [(g["group"], g["status"]) for g in doc["groups"]] == [(0, "DRAINED"), (1, "DRAINED")]
+        drained = [seg for seg in pool.stats().segments if seg.store_id == store_id]
+        assert len(drained) == 2  # one segment per group
+        assert all(seg.status == pb.SEGMENT_DRAINED and seg.objects == 0 for seg in drained)
+        assert _read_all(pool, written) == (200, 0)
+    assert fresh.endpoints["store_id"] != store_id
+
+
+def _alive_store(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

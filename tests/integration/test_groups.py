@@ -19,6 +19,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.groups import group_of
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
+from kvpool.tools import admin
 from kvpool.tools.etcd_process import etcd_binary
 from kvpool.tools.local_cluster import LocalCluster
 from tests.support.cluster import client
@@ -116,3 +117,23 @@ def test_local_status_names_each_masters_group(groups2: LocalCluster) -> None:
     assert status["groups"] == 2
     masters = [p for p in status["processes"] if p["role"] == "master"]
     assert sorted(p["group"] for p in masters) == [0, 1]
+
+
+def test_admin_aggregates_the_groups(groups2: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    assert admin.main(["--master", groups2.master, "--json", "leader"]) == 0
+    leaders = json.loads(capsys.readouterr().out)
+    expected = {m.group: m.address for m in groups2.masters}
+    assert [(g["group"], g["leader"]) for g in leaders["groups"]] == sorted(expected.items())
+    assert all(g["view"] > 0 for g in leaders["groups"])
+    assert admin.main(["--master", groups2.master, "--json", "status"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["stores"] == 2
+    assert status["segments"] == 4  # each store's segment of each group
+    assert admin.main(["--master", groups2.master, "--json", "nodes"]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert sum(n["segments"] for n in nodes) == 4
+    with client(groups2.master) as pool:
+        keys = [f"evict-{i}" for i in range(30)]
+        assert pool.batch_put(keys, [b"e" * 32] * len(keys)) == [0] * len(keys)
+    assert admin.main(["--master", groups2.master, "--json", "evict", "--prefix", "evict-"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == len(keys)  # summed over both groups
