@@ -44,13 +44,17 @@ _WHOLE_CALL_FAILURES = frozenset({ErrorCode.GROUP_MISMATCH, ErrorCode.WRONG_GROU
 
 def split_request(op: int, request: Any, positions: Sequence[int]) -> Any:
     """The part of a keyed ``request`` that holds only the keys at ``positions`` (other fields copied)."""
-    part = type(request)()
-    part.CopyFrom(request)
-    for name in PER_KEY_REQUEST_FIELDS[op]:
-        values = getattr(request, name)
-        field = getattr(part, name)
-        del field[:]
-        field.extend(values[i] for i in positions)
+    per_key = PER_KEY_REQUEST_FIELDS[op]
+    part = type(request)(
+        **{name: [values[i] for i in positions] for name in per_key for values in [getattr(request, name)]}
+    )
+    for descriptor, value in request.ListFields():
+        if descriptor.name in per_key:
+            continue
+        if descriptor.message_type is not None:
+            getattr(part, descriptor.name).CopyFrom(value)
+        else:
+            setattr(part, descriptor.name, value)
     return part
 
 
