@@ -137,3 +137,36 @@ def test_admin_aggregates_the_groups(groups2: LocalCluster, capsys: pytest.Captu
         assert pool.batch_put(keys, [b"e" * 32] * len(keys)) == [0] * len(keys)
     assert admin.main(["--master", groups2.master, "--json", "evict", "--prefix", "evict-"]) == 0
     assert json.loads(capsys.readouterr().out)["removed"] == len(keys)  # summed over both groups
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=180, env=env, check=False
+    )
+
+
+def test_local_up_with_two_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if etcd_binary() is None and not os.environ.get("CI"):
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    monkeypatch.setenv("KVPOOL_LOCAL_CONTEXT", str(tmp_path / "context.json"))
+    monkeypatch.delenv("KVPOOL_MASTER", raising=False)
+    monkeypatch.delenv("KVPOOL_TOKEN_FILE", raising=False)
+    env = dict(os.environ)
+    base = str(tmp_path / "cluster")
+    up_args = ("--ha", "--groups", "2", "--masters", "1", "--stores", "2", "--size", "32MiB", "--dir", base)
+    up = _cli("kvpool.tools.cli", "local", "up", *up_args, "--json", env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        status = json.loads(_cli("kvpool.tools.cli", "local", "status", "--dir", base, "--json", env=env).stdout)
+        assert sorted(p["group"] for p in status["processes"] if p["role"] == "master") == [0, 1]
+        assert [p["alive"] for p in status["processes"]] == [True] * len(status["processes"])
+        with PoolClient.from_env(use_shm=False) as pool:  # the local cluster is the default context
+            keys = [f"up-{i}" for i in range(50)]
+            assert pool.groups == 2
+            assert pool.batch_put(keys, [k.encode() * 8 for k in keys]) == [0] * len(keys)
+            assert pool.batch_get(keys) == [k.encode() * 8 for k in keys]
+        leader = _cli("kvpool.tools.admin", "leader", "--json", env=env)
+        assert leader.returncode == 0, leader.stderr
+        assert [g["group"] for g in json.loads(leader.stdout)["groups"]] == [0, 1]
+    finally:
+        assert _cli("kvpool.tools.cli", "local", "down", "--dir", base, env=env).returncode == 0
