@@ -48,22 +48,27 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def _client_worker(master: str, cluster: str, keys: list[str], batch: int, seconds: float, out: Any) -> None:
+def _client_worker(
+    master: str, cluster: str, keys: list[str], batch: int, seconds: float, ready: Any, go: Any, out: Any
+) -> None:
     from kvpool.client.config import ClientConfig
     from kvpool.client.group_router import connect_master
 
     link = connect_master(ClientConfig(master=master, cluster=cluster))
     requests = [pb.BatchExistsRequest(keys=keys[i : i + batch]) for i in range(0, len(keys) - batch, batch)]
+    link.call(frames.Op.BATCH_EXISTS, requests[0], Deadline(30.0))  # connected to every group before the clock
+    ready.put(os.getpid())
+    go.wait()
     done = 0
-    link.call(frames.Op.BATCH_EXISTS, requests[0], Deadline(10.0))  # connect before the clock starts
-    deadline = time.perf_counter() + seconds
+    started = time.perf_counter()
+    deadline = started + seconds
     i = 0
     while time.perf_counter() < deadline:
         link.call(frames.Op.BATCH_EXISTS, requests[i % len(requests)], Deadline(10.0))
         done += batch
         i += 1
+    out.put((done, time.perf_counter() - started))
     link.close()
-    out.put(done)
 
 
 def _start_cluster(groups: int) -> Any:
@@ -102,32 +107,38 @@ def _fill(cluster: Any, keys: list[str]) -> None:
 
 
 def measure(cluster: Any, groups: int, keys: list[str], clients: int, batch: int, seconds: float) -> dict[str, Any]:
-    """One run: C client processes for ``seconds``; keys/s and master CPU."""
+    """One run: C client processes, started together once all are connected, for ``seconds``; keys/s and
+    the masters' CPU over exactly that window."""
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
+    ready, out, go = context.Queue(), context.Queue(), context.Event()
     workers = [
-        context.Process(target=_client_worker, args=(cluster.master, cluster.cluster, keys, batch, seconds, out))
+        context.Process(
+            target=_client_worker, args=(cluster.master, cluster.cluster, keys, batch, seconds, ready, go, out)
+        )
         for _ in range(clients)
     ]
     pids = {m.group: m.pid for m in cluster.masters}
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        ready.get(timeout=120)
     idle_from = {g: _cpu_seconds(pid) for g, pid in pids.items()}
     time.sleep(1.0)  # the masters' own background work (elections, maintenance), subtracted below
     idle_rate = {g: _cpu_seconds(pid) - idle_from[g] for g, pid in pids.items()}
-    for worker in workers:
-        worker.start()
-    time.sleep(min(1.0, seconds / 4))  # let the workers connect; their first call is before their clock
     before = {g: _cpu_seconds(pid) for g, pid in pids.items()}
-    started = time.perf_counter()
-    done = sum(out.get(timeout=seconds + 120) for _ in workers)
-    elapsed = time.perf_counter() - started
+    window = time.perf_counter()
+    go.set()
+    results = [out.get(timeout=seconds + 120) for _ in workers]
+    window = time.perf_counter() - window
     after = {g: _cpu_seconds(pid) for g, pid in pids.items()}
     for worker in workers:
         worker.join(timeout=30)
+    done = sum(n for n, _ in results)
     share = [sum(1 for k in keys if group_of(k, groups) == g) / len(keys) for g in range(groups)]
-    cpu = {g: max(0.0, after[g] - before[g] - idle_rate[g] * elapsed) for g in pids}
+    cpu = {g: max(0.0, after[g] - before[g] - idle_rate[g] * window) for g in pids}
     return {
         "idle_cpu_fraction": sum(idle_rate.values()),
-        "keys_per_s": done / elapsed,
+        "keys_per_s": sum(n / elapsed for n, elapsed in results),
         "master_cpu_s_per_million_keys": sum(cpu.values()) / done * 1e6,
         "per_group_cpu_s_per_million_keys": [cpu[g] / max(1.0, done * share[g]) * 1e6 for g in range(groups)],
     }
