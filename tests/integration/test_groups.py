@@ -80,6 +80,13 @@ def test_each_group_master_holds_only_its_keys(groups2: LocalCluster) -> None:
                 link.call(frames.Op.BATCH_EXISTS, pb.BatchExistsRequest(keys=other), Deadline(5.0))
             assert err.value.code == ErrorCode.WRONG_GROUP
             assert f"belongs to shard group {1 - group} of 2" in err.value.message
+            # A put checks every key: one stray key at the end of a batch refuses the whole batch.
+            stray = [f"stray-{group}-{i}" for i in range(40) if group_of(f"stray-{group}-{i}", 2) == group][:20]
+            stray += other
+            put = pb.BatchPutStartRequest(client_id="t", keys=stray, sizes=[8] * len(stray))
+            with pytest.raises(KvPoolError) as err:
+                link.call(frames.Op.BATCH_PUT_START, put, Deadline(5.0))
+            assert err.value.code == ErrorCode.WRONG_GROUP
         finally:
             link.close()
 
