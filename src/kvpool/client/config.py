@@ -59,6 +59,11 @@ class ClientConfig:
     token_file: str = option("", "File holding the cluster token.", env=envs.KVPOOL_TOKEN_FILE)
     tls_ca: str = option("", "PEM CA (or the master's self-signed certificate): reach the master's gRPC over TLS.")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
+    groups: int = option(
+        0,
+        "Shard groups the cluster's keys are split over (decision 0080); 0 = the count recorded in etcd "
+        "(1 for a host:port master). A master that counts otherwise refuses this client (GROUP_MISMATCH).",
+    )
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

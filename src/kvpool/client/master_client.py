@@ -23,6 +23,7 @@ from kvpool.common import tls
 from kvpool.common.auth import client_handshake, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.clock import Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.groups import check_master_group
 from kvpool.common.log import get_logger
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -39,6 +40,10 @@ R = TypeVar("R")
 
 # Master answers that mean "ask another master" rather than "this call failed".
 _REDIRECT_CODES = {ErrorCode.NOT_LEADER, ErrorCode.LEADER_WARMING_UP, ErrorCode.STALE_VIEW}
+# Failures a retry cannot cure: the call is refused at once with the master's reason.
+_NOT_RETRIED = frozenset(
+    {ErrorCode.AUTH_FAILED, ErrorCode.AUTH_VERSION_MISMATCH, ErrorCode.INVALID_ARGUMENT, ErrorCode.GROUP_MISMATCH}
+)
 # A call that timed out sooner than this says nothing about the master (its caller had almost no budget
 # left): it must not trip the breaker or drop the connection pool for every other caller.
 _MIN_BREAKER_WAIT_S = 0.05
@@ -157,6 +162,7 @@ class MasterClient:
         breaker_max_backoff_s: float = 5.0,
         resolver: Callable[[float], str] | None = None,
         spin_us: int = 0,
+        group: tuple[int, int] = (0, 1),
     ) -> None:
         if not master and resolver is None:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "no master address: pass master= or set KVPOOL_MASTER")
@@ -174,6 +180,9 @@ class MasterClient:
         self._max_view = 0
         self._req_ids = itertools.count(1)
         self.info: pb.ClusterInfoResponse | None = None
+        self.group = group
+        """(the shard group this client's calls are for, the cluster's group count): a master that serves
+        another group, or counts other groups, is refused at discovery (decision 0080)."""
 
     # --- discovery -----------------------------------------------------------------------------
 
@@ -190,6 +199,7 @@ class MasterClient:
                 )
             except grpc.RpcError as exc:
                 raise KvPoolError(grpc_error_code(exc), f"master {grpc_endpoint}: {exc.code().name}") from exc
+        check_master_group(info, *self.group, grpc_endpoint)
         with self._lock:
             self._grpc_endpoint = grpc_endpoint
             self._rpc_endpoint = info.rpc_endpoint
@@ -293,7 +303,7 @@ class MasterClient:
                 if conn is not None:
                     conn.close()
                 code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.UNAVAILABLE
-                if code in (ErrorCode.AUTH_FAILED, ErrorCode.AUTH_VERSION_MISMATCH, ErrorCode.INVALID_ARGUMENT):
+                if code in _NOT_RETRIED:
                     raise
                 if code == ErrorCode.LEADER_WARMING_UP:
                     if warming.wait(deadline):

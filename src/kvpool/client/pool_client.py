@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 from kvpool.client.batching import split_batches
 from kvpool.client.config import ClientConfig
+from kvpool.client.group_router import GroupRouter, connect_master
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
 from kvpool.client.store_failures import StoreFailureReporter
@@ -34,6 +35,7 @@ from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.failpoints import CLIENT_PUT_BEFORE_END, failpoint
 from kvpool.common.grants import GrantOp
+from kvpool.common.groups import group_of
 from kvpool.common.log import get_logger, log_once
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
@@ -189,15 +191,9 @@ class PoolClient:
         self.client_id = uuid.uuid4().hex
         self.node = envs.node_name()
         self._clock = clock
-        self._master = MasterClient(
-            cfg.master,
-            token_file=cfg.token_file,
-            cluster=cfg.cluster,
-            tls_ca=cfg.tls_ca,
-            breaker_backoff_s=cfg.breaker_backoff_s,
-            breaker_max_backoff_s=cfg.breaker_max_backoff_s,
-            spin_us=cfg.spin_us,
-        )
+        # One MasterClient, or a GroupRouter over the cluster's shard groups (decision 0080).
+        self._master: MasterClient | GroupRouter = connect_master(cfg)
+        self.groups = self._master.groups if isinstance(self._master, GroupRouter) else 1
         self._transports = transports or TransportSet.default(cfg, self.node)
         self._counters = _Counters()
         self._unanswered = UnansweredPuts()
@@ -227,6 +223,10 @@ class PoolClient:
             settings.update(_local_cluster_settings(settings))
         cfg = ClientConfig(**{**settings, **overrides})
         return cls(config=cfg)
+
+    def group_of(self, key: str) -> int:
+        """The shard group that owns ``key`` (0 in a single-group cluster)."""
+        return group_of(key, self.groups)
 
     def _deadline(self, timeout: float | None) -> Deadline:
         """None: the configured default; infinity: no deadline; NaN is refused."""

@@ -96,6 +96,10 @@ class ErrorCode(IntEnum):
     """An answer came from a deposed leader (older view); it is refused."""
     ETCD_ERROR = -503
     LEADER_WARMING_UP = -504
+    WRONG_GROUP = -540
+    """A key was sent to a master whose shard group does not own it (decision 0080)."""
+    GROUP_MISMATCH = -541
+    """A client, store or master disagrees with the cluster on the number of shard groups (decision 0080)."""
 
     # -600 .. -699: limits
     BATCH_TOO_LARGE = -600
@@ -162,6 +166,8 @@ _MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.STALE_VIEW: "the answer came from a deposed leader (refused)",
     ErrorCode.ETCD_ERROR: "etcd failed or cannot be reached",
     ErrorCode.LEADER_WARMING_UP: "the new leader is still rebuilding its state from the stores",
+    ErrorCode.WRONG_GROUP: "the key belongs to another shard group's master",
+    ErrorCode.GROUP_MISMATCH: "the caller and the master disagree on the cluster's shard groups",
     ErrorCode.BATCH_TOO_LARGE: "more keys in one call than the master's max_batch",
     ErrorCode.TOO_MANY_CONNECTIONS: "this client has too many connections to the store",
     ErrorCode.TOO_MANY_BYTES_IN_FLIGHT: "this client has too many bytes in flight at the store",

@@ -108,6 +108,9 @@ def validate_cluster_name(cluster: str) -> str:
 
 def cluster_prefix(cluster: str) -> str:
     """``/kvpool/<cluster>/``: every key kvpool keeps in etcd lives under it."""
+    name, sep, group = cluster.partition("/groups/")  # a shard group's scope (common/groups.py)
+    if sep and group.isdigit():
+        return f"/kvpool/{validate_cluster_name(name)}/groups/{int(group)}/"
     return f"/kvpool/{validate_cluster_name(cluster)}/"
 
 

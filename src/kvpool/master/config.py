@@ -27,6 +27,12 @@ class MasterConfig:
     advertise: str = option("", "Host name other machines use to reach this master (default: --host).")
     cluster: str = option("kvpool", "Cluster name (etcd key prefix).", env=envs.KVPOOL_CLUSTER)
     etcd: str = option("", "etcd endpoints h1:p1,h2:p2 for high availability; empty = a single master, no etcd.")
+    groups: int = option(
+        1,
+        "Shard groups of the cluster (decision 0080): each group elects its own leader and owns the keys that"
+        " hash to it. Fixed when the cluster is created (recorded in etcd); more than 1 needs --etcd.",
+    )
+    group: int = option(0, "The shard group this master serves (0 .. --groups - 1).")
     leader_ttl_s: float = option(
         3.0,
         "Lease TTL of the leader key in etcd; a new leader also waits this long before serving.",

@@ -28,6 +28,7 @@ from typing import Any
 from kvpool.common.coordinator import Coordinator, LeaseHandle
 from kvpool.common.errors import KvPoolError
 from kvpool.common.etcd import EtcdClient, KeyValue, cluster_prefix
+from kvpool.common.groups import group_scope, read_group_count, record_group_count
 from kvpool.common.leader_watch import LeaderWatch
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
@@ -52,8 +53,10 @@ class HaCoordinator:
         self.server = server
         self.id = uuid.uuid4().hex[:12]
         self.etcd: Coordinator = coordinator or EtcdClient(config.etcd, timeout=max(2.0, config.leader_ttl_s))
-        self.intents = IntentStore(self.etcd, config.cluster)
-        self._members_prefix = cluster_prefix(config.cluster) + "masters/"
+        self.scope = group_scope(config.cluster, config.group, config.groups)
+        """Where this master's group keeps its election, registrations and intents in etcd (decision 0080)."""
+        self.intents = IntentStore(self.etcd, self.scope)
+        self._members_prefix = cluster_prefix(self.scope) + "masters/"
         self._elector: LeaderElector | None = None
         self._watch: LeaderWatch | None = None
         self._member_lease: LeaseHandle | None = None
@@ -66,7 +69,7 @@ class HaCoordinator:
         info = {"id": self.id, **self.server.endpoints}
         self._elector = LeaderElector(
             self.etcd,
-            self.config.cluster,
+            self.scope,
             info,
             ttl_s=self.config.leader_ttl_s,
             on_elected=self._on_elected,
@@ -76,8 +79,10 @@ class HaCoordinator:
         self.server.role.elector = self._elector
         self.server.handlers.drains.attach_intents(self.intents)  # drain jobs are durable intents
         self.server.reset_state()
-        self._watch = LeaderWatch(self.etcd, self.config.cluster)
-        await asyncio.get_running_loop().run_in_executor(None, self._register)
+        self._watch = LeaderWatch(self.etcd, self.scope)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, record_group_count, self.etcd, self.config.cluster, self.config.groups)
+        await loop.run_in_executor(None, self._register)
         self._elector.start()
         self._thread.start()
 
@@ -94,7 +99,7 @@ class HaCoordinator:
         return _MEMBER_STATES.get(state, "standby")
 
     def _put_member(self, state: str, lease: int) -> None:
-        doc = {**self.server.endpoints, "id": self.id, "state": state}
+        doc = {**self.server.endpoints, "id": self.id, "state": state, "group": self.config.group}
         self.etcd.put(self._members_prefix + self.id, json.dumps(doc), lease=lease)
         self._registered_state = state
 
@@ -192,12 +197,22 @@ def leader_summary(etcd_endpoints: str, cluster: str) -> dict[str, Any]:
     """For tools: the current leader, the registered masters with their states, and the followers, from etcd.
 
     ``masters`` lists every live master as ``{"grpc": address, "state": "leader"|"warming_up"|"standby"}``.
+    A cluster of several shard groups answers ``{"groups": [{"group": g, "leader": ..., "view": ...,
+    "followers": [...], "masters": [...]}, ...]}`` (decision 0080).
     """
     with EtcdClient(etcd_endpoints) as etcd:
-        from kvpool.common.leader_watch import leader_key, parse_leader
+        groups = read_group_count(etcd, cluster)
+        summaries = [_group_summary(etcd, group_scope(cluster, g, groups)) for g in range(groups)]
+    if groups == 1:
+        return summaries[0]
+    return {"groups": [{"group": g, **summary} for g, summary in enumerate(summaries)]}
 
-        leader = parse_leader(etcd.get(leader_key(cluster)))
-        members = [_member_doc(kv) for kv in etcd.get_prefix(cluster_prefix(cluster) + "masters/")]
+
+def _group_summary(etcd: EtcdClient, scope: str) -> dict[str, Any]:
+    from kvpool.common.leader_watch import leader_key, parse_leader
+
+    leader = parse_leader(etcd.get(leader_key(scope)))
+    members = [_member_doc(kv) for kv in etcd.get_prefix(cluster_prefix(scope) + "masters/")]
     grpc_leader = leader.address("grpc") if leader else None
     masters = sorted(
         ({"grpc": str(m["grpc"]), "state": str(m.get("state", "standby"))} for m in members if m.get("grpc")),

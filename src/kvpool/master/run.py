@@ -7,6 +7,8 @@ import json
 import signal
 from pathlib import Path
 
+from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.groups import check_group_count
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
 from kvpool.master.service import MasterServer
@@ -14,7 +16,16 @@ from kvpool.master.service import MasterServer
 log = get_logger(__name__)
 
 
+def _check_groups(config: MasterConfig) -> None:
+    check_group_count(config.groups)
+    if config.groups > 1 and not config.etcd:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "--groups > 1 needs --etcd: each group elects its leader there")
+    if not 0 <= config.group < config.groups:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"--group {config.group} is not in 0..{config.groups - 1}")
+
+
 async def _serve(config: MasterConfig, ready_file: str) -> None:
+    _check_groups(config)
     server = MasterServer(config)
     events = None
     if config.kv_events:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
+import xxhash
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 from kvpool.common import tls
 from kvpool.common.auth import TokenChecker
 from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.groups import group_of
 from kvpool.common.httpserver import MetricsServer
 from kvpool.common.log import get_logger
 from kvpool.master import convert, tier_service
@@ -51,6 +53,8 @@ _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 _MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
 # The stores' inventory feed to warm standbys (master/standby.py): it decides itself whom it accepts.
 _STANDBY_FEED = frozenset({"StandbySync", "StandbyDelta"})
+# Keys of a lookup batch whose shard group the master checks (every key of a put is checked).
+_GROUP_SAMPLE = 16
 # Most payload a framed connection may send before its HELLOs are accepted (the handshake's fit in it).
 _MAX_PREAUTH_PAYLOAD = 4096
 
@@ -221,9 +225,28 @@ class MasterHandlers:
         finally:
             self.requests.observe(method, time.perf_counter() - started)
 
-    def _check_batch(self, keys: Any) -> None:
+    def _check_batch(self, keys: Any, *, every_key: bool = False) -> None:
         if len(keys) > self.config.max_batch:
             raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys > max_batch {self.config.max_batch}")
+        if self.config.groups > 1:
+            self._check_group(keys if every_key or len(keys) <= _GROUP_SAMPLE else keys[:: len(keys) // _GROUP_SAMPLE])
+
+    def _check_group(self, keys: Any) -> None:
+        """Refuse a batch holding a key of another shard group (decision 0080). Puts check every key: a
+        mis-routed put would store an object where its owner never looks. Other calls check a sample:
+        a mis-routed lookup can only miss, and a client that routes by another group count is caught
+        within a batch or two (the hashing costs the master as much as the lookup itself)."""
+        groups, mine = self.config.groups, self.config.group
+        digest = xxhash.xxh64_intdigest  # group_of inlined into one set comprehension: it runs per key
+        if {digest(key.encode()) % groups for key in keys} <= {mine}:
+            return
+        for key in keys:
+            owner = group_of(key, groups)
+            if owner != mine:
+                raise KvPoolError(
+                    ErrorCode.WRONG_GROUP,
+                    f"key {key[:64]!r} belongs to shard group {owner} of {groups}; this master serves group {mine}",
+                )
 
     # --- cluster ---------------------------------------------------------------------------------
 
@@ -238,6 +261,8 @@ class MasterHandlers:
             max_key_bytes=self.config.max_key_bytes,
             max_object_bytes=self.config.max_object_bytes,
             max_batch=self.config.max_batch,
+            group=self.config.group,
+            groups=self.config.groups,
         )
 
     def GetStats(self, req: pb.StatsRequest) -> pb.StatsResponse:  # noqa: N802
@@ -307,7 +332,7 @@ class MasterHandlers:
     # --- objects ---------------------------------------------------------------------------------
 
     def BatchPutStart(self, req: pb.BatchPutStartRequest) -> pb.BatchPutStartResponse:  # noqa: N802
-        self._check_batch(req.keys)
+        self._check_batch(req.keys, every_key=True)
         if len(req.sizes) != len(req.keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
         results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes), convert.put_options(req.config))

@@ -389,7 +389,7 @@ class ClusterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterInfoResponse(_message.Message):
-    __slots__ = ("status", "grpc_endpoint", "rpc_endpoint", "metrics_endpoint", "cluster", "lease_ttl_ms", "max_key_bytes", "max_object_bytes", "max_batch")
+    __slots__ = ("status", "grpc_endpoint", "rpc_endpoint", "metrics_endpoint", "cluster", "lease_ttl_ms", "max_key_bytes", "max_object_bytes", "max_batch", "group", "groups")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,8 @@ class ClusterInfoResponse(_message.Message):
     MAX_KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_OBJECT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     grpc_endpoint: str
     rpc_endpoint: str
@@ -408,7 +410,9 @@ class ClusterInfoResponse(_message.Message):
     max_key_bytes: int
     max_object_bytes: int
     max_batch: int
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., grpc_endpoint: _Optional[str] = ..., rpc_endpoint: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., cluster: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., max_key_bytes: _Optional[int] = ..., max_object_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    group: int
+    groups: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., grpc_endpoint: _Optional[str] = ..., rpc_endpoint: _Optional[str] = ..., metrics_endpoint: _Optional[str] = ..., cluster: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., max_key_bytes: _Optional[int] = ..., max_object_bytes: _Optional[int] = ..., max_batch: _Optional[int] = ..., group: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
 
 class SegmentStatusRequest(_message.Message):
     __slots__ = ("segment_ids", "node", "status")

@@ -32,6 +32,11 @@ class StoreConfig:
     )
     ssd_dir: str = option("", "Directory of the SSD tier (empty = no SSD tier).")
     ssd_size: int = option(0, "Bytes of the SSD tier.", parse=parse_size)
+    groups: int = option(
+        0,
+        "Shard groups of the cluster (decision 0080): the segment is split into this many equal parts, part g"
+        " mounted to group g's master. 0 = the count recorded in etcd (1 for a host:port master).",
+    )
     heartbeat_interval_s: float = option(1.0, "Heartbeat period to the master.", parse=parse_duration)
     standby_feed_interval_s: float = option(
         0.5,

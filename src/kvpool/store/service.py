@@ -27,6 +27,7 @@ from kvpool.common import envs, tls
 from kvpool.common.auth import TokenChecker, grpc_error_code, grpc_metadata, load_token
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
 from kvpool.common.grants import new_secret
+from kvpool.common.groups import group_scope
 from kvpool.common.httpserver import MetricsServer
 from kvpool.common.log import get_logger
 from kvpool.proto import master_pb2 as pb
@@ -161,13 +162,23 @@ def _why_unreachable(master: str) -> str:
 class StoreServer:
     """A running store. ``start()`` creates the segment and serves; ``run()`` also heartbeats until stopped."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(
+        self, config: StoreConfig, *, group: int = 0, groups: int = 1, primary: StoreServer | None = None
+    ) -> None:
         if not config.master:
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "a store needs --master (or KVPOOL_MASTER)")
         self.config = config
-        self.store_id = uuid.uuid4().hex[:16]
+        self.group = group
+        self.groups = groups
+        self._scope = group_scope(config.cluster, group, groups)
+        """The etcd scope of the shard group this segment is mounted to (decision 0080)."""
+        self._primary = primary
+        """With several groups: the group-0 server whose data plane serves this group's segment too."""
+        self.members: list[StoreServer] = []
+        """The other groups' servers sharing this one's data plane (on the group-0 server)."""
+        self.store_id: str = primary.store_id if primary is not None else uuid.uuid4().hex[:16]
         self.node = config.node or envs.node_name()
-        self.inventory = Inventory()
+        self.inventory: Inventory = primary.inventory if primary is not None else Inventory()
         self.segment: ShmSegment | None = None
         self.dataplane: DataPlaneServer | None = None
         self.rdma: Responder | None = None
@@ -177,7 +188,7 @@ class StoreServer:
         """Runs the drain/rebalance copies the master hands this store (store/mover.py)."""
         """The SSD tier (--ssd-dir), mounted as a second segment with tier=1 (docs/ssd-tier.md)."""
         self._secret = new_secret()
-        self._link = MasterLink(config.master, config.cluster, config.token_file, config.tls_ca)
+        self._link = MasterLink(config.master, self._scope, config.token_file, config.tls_ca)
         self._freed_ack = 0
         self._mounted = False
         self._mount_backoff = _MountBackoff()
@@ -191,12 +202,15 @@ class StoreServer:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._primary is not None:
+            self._start_member(self._primary)
+            return
         cfg = self.config
         if cfg.numa_node >= 0:
             from kvpool.store.numa import bind_current_process
 
             bind_current_process(cfg.numa_node)
-        name = f"kvpool-{cfg.cluster}-{self.store_id}"
+        name = f"kvpool-{cfg.cluster}-{self.store_id}" + (f"-g{self.group}" if self.groups > 1 else "")
         self.segment = ShmSegment.create(cfg.shm_dir, name, cfg.size, hugepages=cfg.hugepages)
         if cfg.numa_node >= 0:
             from kvpool.store.numa import bind_memory
@@ -241,6 +255,20 @@ class StoreServer:
             self.metrics_endpoint or "off",
         )
 
+    def _start_member(self, primary: StoreServer) -> None:
+        """Another group's part of this store: its own segment, served by the group-0 server's data plane."""
+        cfg = self.config
+        assert primary.dataplane is not None
+        name = f"kvpool-{cfg.cluster}-{self.store_id}-g{self.group}"
+        self.segment = ShmSegment.create(cfg.shm_dir, name, cfg.size, hugepages=cfg.hugepages)
+        self.segment.prefault()
+        self.dataplane = primary.dataplane
+        self.dataplane.add_segment(self.segment, self._secret)
+        primary.members.append(self)
+        log.info(
+            "store %s: segment %d (%d bytes) for shard group %d", self.store_id, self.segment.id, cfg.size, self.group
+        )
+
     @property
     def tcp_endpoint(self) -> str:
         assert self.dataplane is not None
@@ -257,7 +285,11 @@ class StoreServer:
             "store_id": self.store_id,
             "node": self.node,
             "pid": os.getpid(),
-            "segments": [{"id": self.segment.id, "size": self.segment.size, "shm_path": self.segment.path}],
+            "segments": [
+                {"id": seg.id, "size": seg.size, "shm_path": seg.path}
+                for seg in [self.segment, *(m.segment for m in self.members)]
+                if seg is not None
+            ],
             **({"rdma": self.rdma.advertisement()} if self.rdma is not None else {}),
         }
 
@@ -345,14 +377,14 @@ class StoreServer:
             self.mount(remount=False)
         if self.tier is not None and self.segment is not None:
             # Its own link: SSD task polls never queue behind a heartbeat (or the reverse).
-            link = MasterLink(self.config.master, self.config.cluster, self.config.token_file, self.config.tls_ca)
+            link = MasterLink(self.config.master, self._scope, self.config.token_file, self.config.tls_ca)
             self.tier.start_worker(link, self.store_id, self.segment, self.inventory)
         if self.segment is not None:
             # Drain/rebalance copies into this store; its own link, like the tier worker.
             # Store-to-store copies open data-plane connections too: they present the cluster token.
             self._mover_transport = TcpTransport(token=load_token(self.config.token_file))
             self.mover = Mover(
-                MasterLink(self.config.master, self.config.cluster, self.config.token_file, self.config.tls_ca),
+                MasterLink(self.config.master, self._scope, self.config.token_file, self.config.tls_ca),
                 self.store_id,
                 self.segment,
                 self._secret,
@@ -372,7 +404,7 @@ class StoreServer:
             return
         self._standby_feed = StandbyFeed(
             cfg.master,
-            cfg.cluster,
+            self._scope,
             self.inventory,
             self.store_id,
             self.segment.id,
@@ -407,7 +439,10 @@ class StoreServer:
                 )
             except KvPoolError as exc:
                 log.warning("unmount failed (the master will expire this store): %s", exc)
-        if self.dataplane is not None:
+        if self._primary is not None:  # another group's part: the group-0 server owns the data plane
+            if self.dataplane is not None and self.segment is not None:
+                self.dataplane.remove_segment(self.segment.id)
+        elif self.dataplane is not None:
             self.dataplane.stop()
         if self._metrics is not None:
             self._metrics.stop()
@@ -487,17 +522,26 @@ def _rdma_metrics(rdma: Responder | None) -> Any:
         )
 
 
-def serve(config: StoreConfig, ready_file: str = "") -> int:
-    """``kvpool store``: serve until SIGTERM/SIGINT, then unmount cleanly."""
-    store = StoreServer(config)
-    store.start()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: store.stop())
+def _first_mount(store: StoreServer) -> None:
     # Ready means mounted: a client that sees this store as ready can allocate on it. If the master is
     # not reachable yet, the heartbeat loop keeps trying after the first attempts.
     for _ in range(20):
         if (store._mount_backoff.due() and store.mount(remount=False)) or store._stop.wait(0.25):
             break
+
+
+def serve(config: StoreConfig, ready_file: str = "") -> int:
+    """``kvpool store``: serve until SIGTERM/SIGINT, then unmount cleanly."""
+    from kvpool.store.groups import serve_groups, store_groups  # it builds StoreServers: imported here
+
+    groups = store_groups(config)
+    if groups > 1:
+        return serve_groups(config, groups, ready_file)
+    store = StoreServer(config)
+    store.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: store.stop())
+    _first_mount(store)
     if ready_file:
         info = {
             "tcp": store.tcp_endpoint,

@@ -84,6 +84,8 @@ class StandbyFeed:
         self.synced = 0
         """Full syncs sent (for tests and metrics)."""
         self.changes_sent = 0
+        # Stores with several shard groups feed one standby set per group from one inventory: chain.
+        self._chained = inventory.listener
         inventory.listener = self._record
 
     def start(self) -> None:
@@ -93,7 +95,7 @@ class StandbyFeed:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
-        self._inventory.listener = None
+        self._inventory.listener = self._chained
         for standby in self._standbys.values():
             standby.channel.close()
         self._standbys.clear()
@@ -102,6 +104,8 @@ class StandbyFeed:
     # ---- the journal (called by the inventory, under its lock) ---------------------------------------------
 
     def _record(self, entry: InventoryEntry, removed: bool) -> None:
+        if self._chained is not None:
+            self._chained(entry, removed)
         if entry.segment_id != self._segment_id:
             return  # only the DRAM segment is fed; the SSD tier re-mounts as before
         with self._lock:

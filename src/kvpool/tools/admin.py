@@ -19,6 +19,9 @@ operation failed, 2 the cluster could not be reached or the arguments are wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import json
 import sys
 from collections import defaultdict
@@ -37,19 +40,68 @@ from kvpool.tools.argtypes import positive_float
 _STATUS_NAMES = {pb.SEGMENT_OK: "OK", pb.SEGMENT_DRAINING: "DRAINING", pb.SEGMENT_DRAINED: "DRAINED"}
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from kvpool.client.master_client import MasterClient
+def _client_config(args: argparse.Namespace) -> Any:
+    from kvpool.client.config import ClientConfig
 
     master = args.master or envs.KVPOOL_MASTER.get()
     if not master:
         raise KvPoolError(
             ErrorCode.INVALID_ARGUMENT, "no cluster: pass --master, set KVPOOL_MASTER or start one with kvpool local up"
         )
-    return MasterClient(master, token_file=args.token_file, cluster=args.cluster)
+    return ClientConfig(master=master, token_file=args.token_file, cluster=args.cluster)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """The cluster's master link: with several shard groups, a router whose stats and evict cover them all."""
+    from kvpool.client.group_router import connect_master
+
+    return connect_master(_client_config(args))
+
+
+def _group_client(args: argparse.Namespace, group: int, groups: int) -> Any:
+    """Group ``group``'s own master link (the operations that move data run once per group)."""
+    from kvpool.client.master_client import MasterClient
+    from kvpool.common.groups import group_scope
+
+    cfg = _client_config(args)
+    scope = group_scope(cfg.cluster, group, groups)
+    return MasterClient(cfg.master, token_file=cfg.token_file, cluster=scope, group=(group, groups))
+
+
+def _per_group(op: admin_ops.Command, args: argparse.Namespace) -> int:
+    """Run a data-moving operation in every shard group, one after another; one document with a part
+    per group (``{"groups": [{"group": g, ...}, ...]}``), and the worst exit code."""
+    from kvpool.client.group_router import cluster_groups
+
+    groups = cluster_groups(_client_config(args))
+    if groups == 1:
+        return op(args, _client)
+    codes: list[int] = []
+    outputs: list[str] = []
+    for group in range(groups):
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured):
+            codes.append(op(args, functools.partial(_group_client, group=group, groups=groups)))
+        outputs.append(captured.getvalue().strip())
+    if args.json:
+        parts = [{"group": g, **_json_or_text(text)} for g, text in enumerate(outputs)]
+        print(json.dumps({"groups": parts}))
+    else:
+        print("\n".join(f"group {g}:\n{text}" for g, text in enumerate(outputs)))
+    return max(codes)
+
+
+def _json_or_text(text: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return {"output": text}
+    return doc if isinstance(doc, dict) else {"output": doc}
 
 
 def _stats(args: argparse.Namespace) -> pb.StatsResponse:
-    stats: pb.StatsResponse = _client(args).call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(args.timeout))
+    with contextlib.closing(_client(args)) as master:
+        stats: pb.StatsResponse = master.call(frames.Op.GET_STATS, pb.StatsRequest(), Deadline(args.timeout))
     return stats
 
 
@@ -207,7 +259,10 @@ def cmd_leader(args: argparse.Namespace) -> int:
 
 
 def _leader_text(doc: dict[str, Any]) -> str:
-    """The leader, then every live master with its state (leader, warming_up, standby) on a line each."""
+    """The leader, then every live master with its state (leader, warming_up, standby) on a line each;
+    with shard groups, that for each group."""
+    if "groups" in doc:
+        return "\n".join(f"group {g['group']}: " + _leader_text(g) for g in doc["groups"])
     lines = [f"leader {doc['leader']} (view {doc['view']})", f"followers {', '.join(doc['followers']) or '-'}"]
     if doc.get("masters"):
         lines.append("masters")
@@ -216,11 +271,12 @@ def _leader_text(doc: dict[str, Any]) -> str:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    response = _client(args).call(
-        frames.Op.REMOVE_ALL,
-        pb.RemoveAllRequest(force=args.force, prefix=args.prefix),
-        Deadline(args.timeout),
-    )
+    with contextlib.closing(_client(args)) as master:
+        response = master.call(
+            frames.Op.REMOVE_ALL,
+            pb.RemoveAllRequest(force=args.force, prefix=args.prefix),
+            Deadline(args.timeout),
+        )
     doc = {"removed": response.removed, "prefix": args.prefix}
     _emit(args, doc, lambda d: f"removed {d['removed']} objects")
     return 0
@@ -271,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _add_common(p, suppress=True, call_timeout=name not in admin_ops.WAITING)
         admin_ops.add_arguments(name, p)
-        p.set_defaults(func=lambda a, _op=op: _op(a, _client))
+        p.set_defaults(func=lambda a, _op=op: _per_group(_op, a))
     return parser
 
 

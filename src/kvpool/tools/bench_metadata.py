@@ -155,6 +155,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=positive_float, default=1.0, help="seconds per figure (default 1)")
     parser.add_argument("--runs", type=positive_int, default=3, help="runs per figure; medians are reported")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    from kvpool.tools.bench_groups import parse_groups
+
+    parser.add_argument(
+        "--groups",
+        type=parse_groups,
+        default=None,
+        help="shard-group counts to compare, e.g. 1,2,4 (decision 0080): keys/s and master CPU per key each",
+    )
+    parser.add_argument("--clients", type=positive_int, default=2, help="client processes with --groups (default 2)")
+    parser.add_argument(
+        "--batch", type=positive_int, default=512, help="keys per batch-exists call with --groups (a 32k prompt)"
+    )
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +212,13 @@ def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.client.master_client import MasterClient
+
+    if args.groups:
+        from kvpool.tools.bench_groups import run_groups
+
+        doc = run_groups(args)
+        print(json.dumps(doc) if args.json else json.dumps(doc, indent=2))
+        return 0
 
     cluster = _start_master()
     try:

@@ -19,7 +19,7 @@ from kvpool.common import config as cfg
 from kvpool.common import envs
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import setup_logging
-from kvpool.tools.argtypes import non_negative_int, positive_float, size
+from kvpool.tools.argtypes import non_negative_int, positive_float, positive_int, size
 
 # name -> (module, help); each module has add_arguments(parser) and run(args) -> int.
 BENCHES: dict[str, tuple[str, str]] = {
@@ -119,6 +119,8 @@ def _local_up(args: argparse.Namespace, base: Path) -> int:
         master_args=tuple(args.master_arg),
         store_args=tuple(args.store_arg),
         token_file=args.token_file,
+        groups=args.groups,
+        masters=args.masters,
     ).start()
     try:
         kept = lc.kept_state(cluster) if args.keep_state else {}
@@ -198,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--stores", type=non_negative_int, default=2, help="stores to start (default 2)")
     local.add_argument("--size", type=size, default="512MiB", help="segment size of each store (default 512MiB)")
     local.add_argument("--ha", action="store_true", help="start etcd and 3 masters")
+    local.add_argument(
+        "--groups",
+        type=positive_int,
+        default=1,
+        help="shard groups (with --ha; decision 0080): each group elects its own leader among its masters",
+    )
+    local.add_argument("--masters", type=positive_int, default=3, help="masters per shard group with --ha (default 3)")
     local.add_argument("--dir", default="", help="cluster directory (default: a per-user temp dir)")
     local.add_argument("--json", action="store_true", help="print JSON")
     local.add_argument("--master-arg", action="append", default=[], help="extra argument for each master")

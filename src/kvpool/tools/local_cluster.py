@@ -36,6 +36,7 @@ class ProcInfo:
     endpoints: dict[str, Any] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: kept on restart
+    group: int = 0  # the shard group a master serves (decision 0080)
 
 
 def default_dir() -> Path:
@@ -86,7 +87,12 @@ class LocalCluster:
         cluster: str = "",
         etcd_endpoints: list[str] | None = None,
         token_file: str = "",
+        groups: int = 1,
     ) -> None:
+        self.groups = groups
+        """Shard groups (decision 0080): ``masters`` masters per group; more than one needs ``ha``."""
+        if groups > 1 and not ha:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "several shard groups need --ha (each group elects in etcd)")
         self.base_dir = Path(base_dir) if base_dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self.num_stores = stores
@@ -133,8 +139,9 @@ class LocalCluster:
         try:
             if self.ha and not self._external_etcd:
                 self._start_etcd()
-            for _ in range(self.num_masters):
-                self.add_master(timeout=timeout)
+            for group in range(self.groups):
+                for _ in range(self.num_masters):
+                    self.add_master(timeout=timeout, group=group)
             for i in range(self.num_stores):
                 self.add_store(node=self.nodes[i] if self.nodes else "", timeout=timeout)
             self.save()
@@ -180,7 +187,9 @@ class LocalCluster:
         info.node = info.endpoints.get("node", "")
         return info
 
-    def add_master(self, extra: tuple[str, ...] = (), timeout: float = 60.0, prefix: tuple[str, ...] = ()) -> ProcInfo:
+    def add_master(
+        self, extra: tuple[str, ...] = (), timeout: float = 60.0, prefix: tuple[str, ...] = (), group: int = 0
+    ) -> ProcInfo:
         args = [
             "--host",
             "127.0.0.1",
@@ -194,7 +203,15 @@ class LocalCluster:
         ]
         if self.ha:
             args += ["--etcd", ",".join(self.etcd_endpoints)]
-        return self._spawn("master", args, timeout, prefix)
+        if self.groups > 1:
+            args += ["--groups", str(self.groups), "--group", str(group)]
+        info = self._spawn("master", args, timeout, prefix)
+        info.group = group
+        return info
+
+    def group_masters(self, group: int) -> list[ProcInfo]:
+        """The masters of one shard group (all of them with one group)."""
+        return [p for p in self.masters if p.group == group]
 
     def _token_args(self) -> list[str]:
         return ["--token-file", self.token_file] if self.token_file else []
@@ -272,6 +289,7 @@ class LocalCluster:
             if info.endpoints.get("rpc"):
                 args += ["--rpc-port", info.endpoints["rpc"].rsplit(":", 1)[1]]
         new = self._spawn(info.role, args, timeout, tuple(info.prefix))
+        new.group = info.group
         self.save()
         return new
 
@@ -298,8 +316,16 @@ class LocalCluster:
             "master": self.master,
             "cluster": self.cluster,
             "dir": str(self.base_dir),
+            "groups": self.groups,
             "processes": [
-                {"role": p.role, "pid": p.pid, "address": p.address, "node": p.node, "alive": _alive(p.pid)}
+                {
+                    "role": p.role,
+                    "pid": p.pid,
+                    "address": p.address,
+                    "node": p.node,
+                    "alive": _alive(p.pid),
+                    **({"group": p.group} if p.role == "master" else {}),
+                }
                 for p in self.processes
             ],
         }
@@ -351,8 +377,10 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 def _remove_segment_file(info: ProcInfo) -> None:
     """A store that died without its clean exit leaves its shared-memory file (RAM) behind."""
-    path = info.endpoints.get("shm", "") if info.role == "store" else ""
-    if path and not _alive(info.pid):
+    if info.role != "store" or _alive(info.pid):
+        return
+    paths = {info.endpoints.get("shm", ""), *info.endpoints.get("shm_paths", [])}  # one per shard group
+    for path in paths - {""}:
         Path(path).unlink(missing_ok=True)
 
 
