@@ -26,8 +26,10 @@ from kvpool.client.batching import split_batches
 from kvpool.client.config import ClientConfig
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
+from kvpool.client.read_by_key import SpeculativeReads
 from kvpool.client.store_failures import StoreFailureReporter
 from kvpool.common import envs
+from kvpool.common.auth import load_token
 from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
@@ -207,6 +209,7 @@ class PoolClient:
         self._suspects: dict[str, float] = {}  # tcp endpoint -> monotonic time its suspicion ends
         self._suspects_lock = threading.Lock()
         self._scratch = threading.local()  # each thread's landing buffer of batch_get
+        self._speculation = SpeculativeReads(cfg.speculative_read_bytes, clock, load_token(cfg.token_file))
         self._store_failures = StoreFailureReporter(self._report_store_failures)
         self._closed = False
 
@@ -432,7 +435,17 @@ class PoolClient:
         if not keys:
             return []
         deadline = self._deadline(timeout)
-        results, cached, hinted = self._get_replicas(keys, deadline)
+        if len(keys) == 1 and self._speculation.target() is not None:
+            landing, views = self._landing_views([self._speculation.max_bytes])
+            try:
+                results, cached, hinted, got = self._lookup(keys, deadline, views[0])
+                if got is not None:
+                    return [bytes(views[0][:got])]
+            finally:
+                views[0].release()
+                landing.release()
+        else:
+            results, cached, hinted, _ = self._lookup(keys, deadline, None)
         landing, views = self._landing_views([r.size if r.code == 0 else 0 for r in results])
         try:
             codes = self._read_resolved(keys, results, cached, hinted, views, deadline)
@@ -472,8 +485,29 @@ class PoolClient:
             return []
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
-        results, cached, hinted = self._get_replicas(keys, deadline)
+        results, cached, hinted, got = self._lookup(keys, deadline, views[0])
+        if got is not None:
+            return [got]
         return self._read_resolved(keys, results, cached, hinted, views, deadline)
+
+    def _lookup(
+        self, keys: Sequence[str], deadline: Deadline, first_view: memoryview | None
+    ) -> tuple[list[_Resolved], list[int], dict[int, list[Replica]], int | None]:
+        """``_get_replicas``; for a single key this client holds no location of, a speculative read by key
+        (decision 0031) into ``first_view`` goes to the expected store first: the object's size when the
+        master's answer confirmed it (the read is done), else None."""
+        sent = None
+        if first_view is not None and len(keys) == 1 and not self._leases.knows(keys[0]):
+            sent = self._speculation.send(keys[0], len(first_view), deadline)
+        results, cached, hinted = self._get_replicas(keys, deadline)
+        got = None
+        if sent is not None and first_view is not None:
+            got = self._speculation.finish(sent, results[0], first_view, deadline)
+        if got is not None:
+            self._count_reads([got])
+        elif not cached and results[0].replicas:  # which stores the objects live on: where to speculate
+            self._speculation.learn(self._transports.revalidating(results[0].replicas))
+        return results, cached, hinted, got
 
     def batch_get_into_ptrs(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
@@ -730,6 +764,8 @@ class PoolClient:
         """This client's counters, for the engine to publish."""
         values = self._counters.snapshot()
         values["degraded"] = int(self._master.degraded)
+        values["speculative_reads"] = self._speculation.confirmed
+        values["speculative_reads_discarded"] = self._speculation.discarded
         values.update({f"bytes_{name}": n for name, n in self._transports.bytes_by_transport().items()})
         return values
 
@@ -740,6 +776,7 @@ class PoolClient:
         if self._renewer is not None:
             self._renewer.close()
         self._store_failures.close()
+        self._speculation.close()
         self._transports.close()
         self._master.close()
 

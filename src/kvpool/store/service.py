@@ -223,6 +223,7 @@ class StoreServer:
             read_sendfile=cfg.read_sendfile,
             rdma=self.rdma,
         )
+        self.dataplane.read_by_key.enabled = cfg.read_by_key
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
             self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
