@@ -73,6 +73,28 @@ def test_first_reads_are_served_by_key_and_confirmed(one_store: LocalCluster) ->
         assert (metrics["gets"], metrics["get_misses"]) == (4, 1), metrics
 
 
+def test_a_batch_of_first_reads_is_read_by_key_and_each_key_confirmed_on_its_own(one_store: LocalCluster) -> None:
+    """One key of the batch was just removed (the store may still hold it), one never existed: those two
+    read as misses through the ordinary path, the others are served by key, each with its own bytes."""
+    values = {f"bt-{i}": os.urandom(20_000 + 7 * i) for i in range(8)}
+    with client(one_store.master) as writer:
+        assert writer.batch_put([*values, "seed-b"], [*values.values(), b"b"]) == [0] * 9
+        assert writer.remove("bt-3", force=True) == 0
+    keys = [*values, "bt-missing"]
+    with client(one_store.master) as pool:
+        _speculating(pool, "seed-b")
+        buffers = [bytearray(64 << 10) for _ in keys]
+        codes = pool.batch_get_into(keys, buffers)
+        for i, key in enumerate(keys):
+            if key in ("bt-3", "bt-missing"):
+                assert codes[i] == ErrorCode.OBJECT_NOT_FOUND, key
+            else:
+                assert codes[i] == len(values[key]), key
+                assert bytes(buffers[i][: codes[i]]) == values[key], key
+        assert pool.metrics()["speculative_reads"] == 7
+        assert pool.metrics()["speculative_reads_discarded"] == 2
+
+
 def test_a_store_answers_read_key_only_with_whole_committed_objects(one_store: LocalCluster) -> None:
     value = os.urandom(5000)
     endpoint = one_store.stores[0].address
@@ -217,10 +239,10 @@ def test_bytes_that_do_not_hash_to_the_confirmed_checksum_are_discarded(one_stor
         reads = pool._speculation
         original = reads._receive
 
-        def tear(sent, view, deadline):  # type: ignore[no-untyped-def]
-            got = original(sent, view, deadline)
-            if got is not None:
-                view[0] ^= 0xFF
+        def tear(sent, views, deadline):  # type: ignore[no-untyped-def]
+            got = original(sent, views, deadline)
+            if got[0] is not None:
+                views[0][0] ^= 0xFF
             return got
 
         reads._receive = tear  # type: ignore[method-assign]
@@ -234,7 +256,7 @@ def test_an_unreachable_expected_store_costs_nothing_but_the_attempt() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     reads.learn([Replica(1, "n", f"127.0.0.1:{port}", "", 0, 10, 0, b"", 0)])
-    assert reads.send("k", 100, Deadline(1.0)) is None
+    assert reads.send(["k"], [100], Deadline(1.0)) is None
     assert reads.target() is None  # cooling down: the next reads do not try again at once
 
 

@@ -53,6 +53,9 @@ Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, mem
 # The largest per-thread landing buffer of batch_get kept between calls (every thread that calls get keeps
 # one: an engine's thread pool must not hold gigabytes); a larger call allocates a buffer of its own.
 _SCRATCH_KEEP = 16 << 20
+_SPECULATIVE_BATCH_PART = 256 << 10
+"""A batch is read by key while the master answers (decision 0031) only when every buffer is at most this
+long: small pages, which one connection moves as fast as the striped lanes would."""
 
 # How long a store whose replica did not answer within its share of a read's deadline is read last.
 _SUSPECT_S = 5.0
@@ -438,9 +441,9 @@ class PoolClient:
         if len(keys) == 1 and self._speculation.target() is not None:
             landing, views = self._landing_views([self._speculation.max_bytes])
             try:
-                results, cached, hinted, got = self._lookup(keys, deadline, views[0])
-                if got is not None:
-                    return [bytes(views[0][:got])]
+                results, cached, hinted, got = self._lookup(keys, deadline, views)
+                if got is not None and got[0] is not None:
+                    return [bytes(views[0][: got[0]])]
             finally:
                 views[0].release()
                 landing.release()
@@ -485,29 +488,67 @@ class PoolClient:
             return []
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
-        results, cached, hinted, got = self._lookup(keys, deadline, views[0])
+        results, cached, hinted, got = self._lookup(keys, deadline, views)
         if got is not None:
-            return [got]
+            return self._read_rest(keys, results, cached, hinted, views, got, deadline)
         return self._read_resolved(keys, results, cached, hinted, views, deadline)
 
     def _lookup(
-        self, keys: Sequence[str], deadline: Deadline, first_view: memoryview | None
-    ) -> tuple[list[_Resolved], list[int], dict[int, list[Replica]], int | None]:
-        """``_get_replicas``; for a single key this client holds no location of, a speculative read by key
-        (decision 0031) into ``first_view`` goes to the expected store first: the object's size when the
-        master's answer confirmed it (the read is done), else None."""
+        self, keys: Sequence[str], deadline: Deadline, views: list[memoryview] | None
+    ) -> tuple[list[_Resolved], list[int], dict[int, list[Replica]], list[int | None] | None]:
+        """``_get_replicas``; for keys this client holds no location of, speculative reads by key (decision
+        0031) into ``views`` go to the expected store first: per key, the object's size where the master's
+        answer confirmed it (that read is done), else None; None when none were sent."""
         sent = None
-        if first_view is not None and len(keys) == 1 and not self._leases.knows(keys[0]):
-            sent = self._speculation.send(keys[0], len(first_view), deadline)
+        if views is not None and self._speculates(keys, views):
+            sent = self._speculation.send(keys, [len(v) for v in views], deadline)
         results, cached, hinted = self._get_replicas(keys, deadline)
         got = None
-        if sent is not None and first_view is not None:
-            got = self._speculation.finish(sent, results[0], first_view, deadline)
-        if got is not None:
-            self._count_reads([got])
-        elif not cached and results[0].replicas:  # which stores the objects live on: where to speculate
-            self._speculation.learn(self._transports.revalidating(results[0].replicas))
+        if sent is not None and views is not None:
+            got = self._speculation.finish(sent, results, views, deadline)
+            self._count_reads([size for size in got if size is not None])
+        if (got is None or got[0] is None) and not cached and results[0].replicas:
+            self._speculation.learn(self._transports.revalidating(results[0].replicas))  # where objects live
         return results, cached, hinted, got
+
+    def _speculates(self, keys: Sequence[str], views: list[memoryview]) -> bool:
+        """Whether to read ``keys`` by key while the master answers: a store to ask, no key with a location
+        here, and (for a batch) small pages only."""
+        if self._speculation.target() is None:
+            return False
+        if len(keys) > 1 and any(len(v) > _SPECULATIVE_BATCH_PART for v in views):
+            return False
+        return not any(self._leases.knows(key) for key in keys)
+
+    def _read_rest(
+        self,
+        keys: Sequence[str],
+        results: list[_Resolved],
+        cached: list[int],
+        hinted: dict[int, list[Replica]],
+        views: list[memoryview],
+        got: list[int | None],
+        deadline: Deadline,
+    ) -> list[int]:
+        """``_read_resolved`` of the keys a speculative read did not settle; the others keep their sizes."""
+        rest = [i for i, size in enumerate(got) if size is None]
+        codes = [size or 0 for size in got]
+        if rest:
+            in_cache = set(cached)
+            for i, code in zip(
+                rest,
+                self._read_resolved(
+                    [keys[i] for i in rest],
+                    [results[i] for i in rest],
+                    [j for j, i in enumerate(rest) if i in in_cache],
+                    {j: hinted[i] for j, i in enumerate(rest) if i in hinted},
+                    [views[i] for i in rest],
+                    deadline,
+                ),
+                strict=True,
+            ):
+                codes[i] = code
+        return codes
 
     def batch_get_into_ptrs(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None

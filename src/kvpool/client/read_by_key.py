@@ -50,11 +50,13 @@ class Answer(NamedTuple):
 
 
 class Sent(NamedTuple):
-    """A READ_KEY on its way: the connection it went out on, and where it was sent."""
+    """READ_KEYs on their way: the connection they went out on, where to, and their request ids
+    (``first_req_id`` and the ``entries - 1`` after it, in order)."""
 
     sock: socket.socket
     endpoint: str
-    req_id: int
+    first_req_id: int
+    entries: int
 
 
 class MasterAnswer(Protocol):
@@ -119,67 +121,69 @@ class SpeculativeReads:
         return endpoint
 
     # ------------------------------------------------------------------ the request
-    def send(self, key: str, max_length: int, deadline: Deadline) -> Sent | None:
-        """Send a READ_KEY for ``key`` (at most ``max_length`` bytes) to the expected store, or None when
-        there is none to ask or it could not be sent (the read then goes the ordinary way)."""
+    def send(self, keys: Sequence[str], max_lengths: Sequence[int], deadline: Deadline) -> Sent | None:
+        """Send a READ_KEY for each key (each at most its ``max_lengths`` bytes) to the expected store, in one
+        send; None when there is none to ask or they could not be sent (the reads then go the ordinary way)."""
         endpoint = self.target()
-        raw_key = key.encode()
-        if endpoint is None or len(raw_key) > MAX_KEY_BYTES:
+        raw_keys = [key.encode() for key in keys]
+        if endpoint is None or any(len(k) > MAX_KEY_BYTES for k in raw_keys):
             return None
-        max_length = min(max_length, self.max_bytes)
         sock = self._checkout(endpoint, deadline)
         if sock is None:
             return None
         with self._lock:
-            self._req_ids += 1
-            req_id = self._req_ids
-        payload = READ_KEY_REQUEST.pack(max_length) + raw_key
+            first = self._req_ids + 1
+            self._req_ids += len(raw_keys)
+        frames = []
+        for req_id, (key, max_length) in enumerate(zip(raw_keys, max_lengths, strict=True), first):
+            length = READ_KEY_REQUEST.size + len(key)
+            frames.append(
+                HEADER.pack(MAGIC, Op.READ_KEY, 0, 0, req_id, length)
+                + READ_KEY_REQUEST.pack(min(max_length, self.max_bytes))
+                + key
+            )
         try:
             set_io_timeout(sock, _remaining(deadline, self._connect_timeout_s))
-            sock.sendall(HEADER.pack(MAGIC, Op.READ_KEY, 0, 0, req_id, len(payload)) + payload)
+            sock.sendall(b"".join(frames))
         except OSError:
             self._broken(sock, endpoint)
             return None
-        return Sent(sock, endpoint, req_id)
+        return Sent(sock, endpoint, first, len(raw_keys))
 
-    def finish(self, sent: Sent, answer: MasterAnswer, view: memoryview, deadline: Deadline) -> int | None:
-        """Receive the store's answer into ``view`` and keep it only if the master's ``answer`` confirms it:
-        the object's size, or None (the bytes are discarded; ``view`` may hold them, to be overwritten by
-        the ordinary read)."""
-        got = self._receive(sent, view, deadline)
-        kept = got is not None and self._confirms(got, answer) and checksum(view[: got.length]) == answer.checksum
+    def finish(
+        self, sent: Sent, answers: Sequence[MasterAnswer], views: Sequence[memoryview], deadline: Deadline
+    ) -> list[int | None]:
+        """Receive the store's answers into ``views`` and keep each only if the master's answer for its key
+        confirms it: per key, the object's size, or None (its bytes are discarded; its view may hold them,
+        to be overwritten by the ordinary read)."""
+        got = self._receive(sent, views, deadline)
+        sizes: list[int | None] = []
+        for landed, answer, view in zip(got, answers, views, strict=True):
+            kept = (
+                landed is not None
+                and self._confirms(landed, answer)
+                and checksum(view[: landed.length]) == answer.checksum
+            )
+            sizes.append(landed.length if landed is not None and kept else None)
+        confirmed = sum(1 for size in sizes if size is not None)
         with self._lock:
-            if kept:
-                self.confirmed += 1
-            else:
-                self.discarded += 1
-        return got.length if got is not None and kept else None
+            self.confirmed += confirmed
+            self.discarded += len(sizes) - confirmed
+        return sizes
 
-    def _receive(self, sent: Sent, view: memoryview, deadline: Deadline) -> Answer | None:
-        """The store's answer, its bytes landed at the start of ``view``; None when it sent none. The
-        connection goes back to the pool only when the answer was read to its end."""
+    def _receive(self, sent: Sent, views: Sequence[memoryview], deadline: Deadline) -> list[Answer | None]:
+        """The store's answers, in order, each one's bytes landed at the start of its view; None where it
+        sent none. The connection goes back to the pool only when every answer was read to its end."""
         sock = sent.sock
+        got: list[Answer | None] = []
         try:
             set_io_timeout(sock, _remaining(deadline, self._connect_timeout_s))
-            head = _recv_exact(sock, HEADER_SIZE)
-            magic, op, _flags, status, req_id, length = HEADER.unpack(head)
-            if magic != MAGIC or req_id != sent.req_id:
-                raise KvPoolError(ErrorCode.BAD_FRAME, "READ_KEY answer out of step")
-            if status != ErrorCode.OK:
-                if op != Op.READ_KEY or status == ErrorCode.UNKNOWN_OP:  # an older store, or one closing on us
-                    raise KvPoolError(ErrorCode.UNKNOWN_OP, f"store refused READ_KEY: {status}")
-                if length:
-                    raise KvPoolError(ErrorCode.BAD_FRAME, "READ_KEY refusal with a payload")
-                self._checkin(sent)
-                return None
-            got = Answer(*READ_KEY_META.unpack(_recv_exact(sock, READ_KEY_META.size)))
-            if length != READ_KEY_META.size + got.length or got.length > len(view):
-                raise KvPoolError(ErrorCode.BAD_FRAME, f"READ_KEY answer of {length} bytes for {got.length}")
-            _recv_exact_into(sock, view[: got.length])
+            for req_id, view in enumerate(views, sent.first_req_id):
+                got.append(_receive_one(sock, req_id, view))
         except (OSError, KvPoolError) as exc:
             logger.debug("speculative read from %s failed: %s", sent.endpoint, exc)
             self._broken(sock, sent.endpoint)
-            return None
+            return [None] * len(views)
         self._checkin(sent)
         return got
 
@@ -244,6 +248,24 @@ class SpeculativeReads:
             self._idle.clear()
         for sock in idle:
             sock.close()
+
+
+def _receive_one(sock: socket.socket, req_id: int, view: memoryview) -> Answer | None:
+    """One READ_KEY answer: its bytes landed at the start of ``view``, or None for a bare refusal."""
+    magic, op, _flags, status, answered, length = HEADER.unpack(_recv_exact(sock, HEADER_SIZE))
+    if magic != MAGIC or answered != req_id:
+        raise KvPoolError(ErrorCode.BAD_FRAME, "READ_KEY answer out of step")
+    if status != ErrorCode.OK:
+        if op != Op.READ_KEY or status == ErrorCode.UNKNOWN_OP:  # an older store, or one closing on us
+            raise KvPoolError(ErrorCode.UNKNOWN_OP, f"store refused READ_KEY: {status}")
+        if length:
+            raise KvPoolError(ErrorCode.BAD_FRAME, "READ_KEY refusal with a payload")
+        return None
+    got = Answer(*READ_KEY_META.unpack(_recv_exact(sock, READ_KEY_META.size)))
+    if length != READ_KEY_META.size + got.length or got.length > len(view):
+        raise KvPoolError(ErrorCode.BAD_FRAME, f"READ_KEY answer of {length} bytes for {got.length}")
+    _recv_exact_into(sock, view[: got.length])
+    return got
 
 
 def _remaining(deadline: Deadline, cap: float) -> float:
