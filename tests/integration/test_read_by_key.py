@@ -57,6 +57,7 @@ def _read_key(endpoint: str, key: bytes, max_length: int) -> tuple[int, bytes]:
 
 def test_first_reads_are_served_by_key_and_confirmed(one_store: LocalCluster) -> None:
     values = {f"fr-{i}": os.urandom(1000 + 4099 * i) for i in range(6)}
+    values["fr-5"] = os.urandom(300 << 10)  # over speculative_read_bytes: read the ordinary way
     with client(one_store.master) as writer:
         assert writer.batch_put(list(values), list(values.values())) == [0] * len(values)
     with client(one_store.master) as pool:
@@ -67,10 +68,13 @@ def test_first_reads_are_served_by_key_and_confirmed(one_store: LocalCluster) ->
         assert pool.get("fr-2") == values["fr-2"]
         assert pool.batch_get(["fr-3"]) == [values["fr-3"]]
         assert pool.get("fr-missing") is None
+        assert pool.get("fr-5") == values["fr-5"]
+        big = bytearray(512 << 10)
+        assert pool.get_into("fr-4", big) == len(values["fr-4"])  # a large buffer asks for at most the limit
         metrics = pool.metrics()
-        assert metrics["speculative_reads"] == 3, metrics
-        assert metrics["speculative_reads_discarded"] == 1, metrics  # the miss
-        assert (metrics["gets"], metrics["get_misses"]) == (4, 1), metrics
+        assert metrics["speculative_reads"] == 4, metrics
+        assert metrics["speculative_reads_discarded"] == 2, metrics  # the miss and the object over the limit
+        assert (metrics["gets"], metrics["get_misses"]) == (6, 1), metrics
 
 
 def test_a_batch_of_first_reads_is_read_by_key_and_each_key_confirmed_on_its_own(one_store: LocalCluster) -> None:
@@ -81,7 +85,7 @@ def test_a_batch_of_first_reads_is_read_by_key_and_each_key_confirmed_on_its_own
         assert writer.batch_put([*values, "seed-b"], [*values.values(), b"b"]) == [0] * 9
         assert writer.remove("bt-3", force=True) == 0
     keys = [*values, "bt-missing"]
-    with client(one_store.master) as pool:
+    with client(one_store.master, speculative_batches=True) as pool:
         _speculating(pool, "seed-b")
         buffers = [bytearray(64 << 10) for _ in keys]
         codes = pool.batch_get_into(keys, buffers)

@@ -43,12 +43,18 @@ class ClientConfig:
         "round trip. Needs lease_renewal.",
     )
     speculative_read_bytes: int = option(
-        1 << 20,
+        256 << 10,
         "A first read of a key this client holds no location of asks the store it expects to hold the object "
         "(the only store it has seen, over TCP) for it by key while the master lookup is under way, and "
         "counts the bytes once the master's answer confirms them: one round trip instead of two (decision "
         "0031). Objects up to this size; 0 turns it off.",
         parse=parse_size,
+    )
+    speculative_batches: bool = option(
+        False,
+        "Read a batch of first reads of small pages (up to 256 KiB each) by key too, one pipelined request a "
+        "page on one connection, while the master answers (decision 0031: slower than the striped lanes in "
+        "the measurements so far).",
     )
     native_lanes: bool = option(
         True,

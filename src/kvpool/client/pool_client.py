@@ -516,7 +516,9 @@ class PoolClient:
         here, and (for a batch) small pages only."""
         if self._speculation.target() is None:
             return False
-        if len(keys) > 1 and any(len(v) > _SPECULATIVE_BATCH_PART for v in views):
+        if len(keys) > 1 and (
+            not self.config.speculative_batches or any(len(v) > _SPECULATIVE_BATCH_PART for v in views)
+        ):
             return False
         return not any(self._leases.knows(key) for key in keys)
 
