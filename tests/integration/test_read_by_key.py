@@ -5,8 +5,10 @@ a read return wrong bytes through that path: every one must fail to."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -75,6 +77,10 @@ def test_first_reads_are_served_by_key_and_confirmed(one_store: LocalCluster) ->
         assert metrics["speculative_reads"] == 4, metrics
         assert metrics["speculative_reads_discarded"] == 2, metrics  # the miss and the object over the limit
         assert (metrics["gets"], metrics["get_misses"]) == (6, 1), metrics
+    body = urllib.request.urlopen(f"http://{one_store.stores[0].endpoints['metrics']}/metrics", timeout=5).read()
+    served = re.search(rb"^kvpool_store_reads_by_key_total (\S+)$", body, re.M)
+    assert served is not None
+    assert float(served.group(1)) >= 4
 
 
 def test_a_batch_of_first_reads_is_read_by_key_and_each_key_confirmed_on_its_own(one_store: LocalCluster) -> None:
