@@ -27,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 KiB, MiB = 1 << 10, 1 << 20
 # (op, value size, keys per call)
 WORKLOADS = (
+    ("get_first", 64 * KiB, 1),
+    ("get_bytes", 64 * KiB, 1),
     ("get_bytes", 1 * MiB, 1),
     ("get_bytes", 4 * MiB, 1),
     ("get_first", 1 * MiB, 1),

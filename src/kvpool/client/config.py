@@ -42,6 +42,20 @@ class ClientConfig:
         "store still holds exactly that object, renewing the lease in the background: a re-read stays one "
         "round trip. Needs lease_renewal.",
     )
+    speculative_read_bytes: int = option(
+        256 << 10,
+        "A first read of a key this client holds no location of asks the store it expects to hold the object "
+        "(the only store it has seen, over TCP) for it by key while the master lookup is under way, and "
+        "counts the bytes once the master's answer confirms them: one round trip instead of two (decision "
+        "0031). Objects up to this size; 0 turns it off.",
+        parse=parse_size,
+    )
+    speculative_batches: bool = option(
+        False,
+        "Read a batch of first reads of small pages (up to 256 KiB each) by key too, one pipelined request a "
+        "page on one connection, while the master answers (decision 0031: slower than the striped lanes in "
+        "the measurements so far).",
+    )
     native_lanes: bool = option(
         True,
         "Move large TCP reads and writes (parts of 128 KiB and more) with the compiled lane loop "
@@ -70,5 +84,7 @@ class ClientConfig:
             raise ValueError("timeout_s must be > 0")
         if self.connections_per_store < 1:
             raise ValueError("connections_per_store must be >= 1")
+        if self.speculative_read_bytes < 0:
+            raise ValueError("speculative_read_bytes must be >= 0")
         if self.spin_us < 0 or self.lease_cache_entries < 0:
             raise ValueError("spin_us and lease_cache_entries must be >= 0")

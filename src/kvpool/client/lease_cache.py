@@ -112,6 +112,10 @@ class LeaseCache:
             self._on_renewal_due(key)
         return result
 
+    def knows(self, key: str) -> bool:
+        """Whether there is an entry for ``key``, live or a hint (no side effect: no renewal, no reordering)."""
+        return key in self._entries
+
     def hint(self, key: str) -> Any | None:
         """The result of an entry whose lease has ended (kept with ``keep_hints``): where the object was.
         A caller that reads from it calls :meth:`hint_used`."""

@@ -27,9 +27,11 @@ from kvpool.client.config import ClientConfig
 from kvpool.client.group_router import GroupRouter, connect_master
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
+from kvpool.client.read_by_key import SpeculativeReads
 from kvpool.client.store_failures import StoreFailureReporter
 from kvpool.client.unanswered_puts import UnansweredPuts
 from kvpool.common import envs
+from kvpool.common.auth import load_token
 from kvpool.common.checksum import LazyChecksum
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
 from kvpool.common.errors import ErrorCode, KvPoolError, as_code
@@ -54,6 +56,9 @@ Buffer = Any  # anything that exports the buffer protocol (bytes, bytearray, mem
 # The largest per-thread landing buffer of batch_get kept between calls (every thread that calls get keeps
 # one: an engine's thread pool must not hold gigabytes); a larger call allocates a buffer of its own.
 _SCRATCH_KEEP = 16 << 20
+_SPECULATIVE_BATCH_PART = 256 << 10
+"""A batch is read by key while the master answers (decision 0031) only when every buffer is at most this
+long: small pages, which one connection moves as fast as the striped lanes would."""
 
 # How long a store whose replica did not answer within its share of a read's deadline is read last.
 _SUSPECT_S = 5.0
@@ -207,6 +212,7 @@ class PoolClient:
         self._suspects: dict[str, float] = {}  # tcp endpoint -> monotonic time its suspicion ends
         self._suspects_lock = threading.Lock()
         self._scratch = threading.local()  # each thread's landing buffer of batch_get
+        self._speculation = SpeculativeReads(cfg.speculative_read_bytes, clock, load_token(cfg.token_file))
         self._store_failures = StoreFailureReporter(self._report_store_failures)
         self._closed = False
 
@@ -491,7 +497,17 @@ class PoolClient:
         if not keys:
             return []
         deadline = self._deadline(timeout)
-        results, cached, hinted = self._get_replicas(keys, deadline)
+        if len(keys) == 1 and self._speculation.target() is not None:
+            landing, views = self._landing_views([self._speculation.max_bytes])
+            try:
+                results, cached, hinted, got = self._lookup(keys, deadline, views)
+                if got is not None and got[0] is not None:
+                    return [bytes(views[0][: got[0]])]
+            finally:
+                views[0].release()
+                landing.release()
+        else:
+            results, cached, hinted, _ = self._lookup(keys, deadline, None)
         landing, views = self._landing_views([r.size if r.code == 0 else 0 for r in results])
         try:
             codes = self._read_resolved(keys, results, cached, hinted, views, deadline)
@@ -531,8 +547,69 @@ class PoolClient:
             return []
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
-        results, cached, hinted = self._get_replicas(keys, deadline)
+        results, cached, hinted, got = self._lookup(keys, deadline, views)
+        if got is not None:
+            return self._read_rest(keys, results, cached, hinted, views, got, deadline)
         return self._read_resolved(keys, results, cached, hinted, views, deadline)
+
+    def _lookup(
+        self, keys: Sequence[str], deadline: Deadline, views: list[memoryview] | None
+    ) -> tuple[list[_Resolved], list[int], dict[int, list[Replica]], list[int | None] | None]:
+        """``_get_replicas``; for keys this client holds no location of, speculative reads by key (decision
+        0031) into ``views`` go to the expected store first: per key, the object's size where the master's
+        answer confirmed it (that read is done), else None; None when none were sent."""
+        sent = None
+        if views is not None and self._speculates(keys, views):
+            sent = self._speculation.send(keys, [len(v) for v in views], deadline)
+        results, cached, hinted = self._get_replicas(keys, deadline)
+        got = None
+        if sent is not None and views is not None:
+            got = self._speculation.finish(sent, results, views, deadline)
+            self._count_reads([size for size in got if size is not None])
+        if (got is None or got[0] is None) and not cached and results[0].replicas:
+            self._speculation.learn(self._transports.revalidating(results[0].replicas))  # where objects live
+        return results, cached, hinted, got
+
+    def _speculates(self, keys: Sequence[str], views: list[memoryview]) -> bool:
+        """Whether to read ``keys`` by key while the master answers: a store to ask, no key with a location
+        here, and (for a batch) small pages only."""
+        if self._speculation.target() is None:
+            return False
+        if len(keys) > 1 and (
+            not self.config.speculative_batches or any(len(v) > _SPECULATIVE_BATCH_PART for v in views)
+        ):
+            return False
+        return not any(self._leases.knows(key) for key in keys)
+
+    def _read_rest(
+        self,
+        keys: Sequence[str],
+        results: list[_Resolved],
+        cached: list[int],
+        hinted: dict[int, list[Replica]],
+        views: list[memoryview],
+        got: list[int | None],
+        deadline: Deadline,
+    ) -> list[int]:
+        """``_read_resolved`` of the keys a speculative read did not settle; the others keep their sizes."""
+        rest = [i for i, size in enumerate(got) if size is None]
+        codes = [size or 0 for size in got]
+        if rest:
+            in_cache = set(cached)
+            for i, code in zip(
+                rest,
+                self._read_resolved(
+                    [keys[i] for i in rest],
+                    [results[i] for i in rest],
+                    [j for j, i in enumerate(rest) if i in in_cache],
+                    {j: hinted[i] for j, i in enumerate(rest) if i in hinted},
+                    [views[i] for i in rest],
+                    deadline,
+                ),
+                strict=True,
+            ):
+                codes[i] = code
+        return codes
 
     def batch_get_into_ptrs(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], timeout: float | None = None
@@ -789,6 +866,8 @@ class PoolClient:
         """This client's counters, for the engine to publish."""
         values = self._counters.snapshot()
         values["degraded"] = int(self._master.degraded)
+        values["speculative_reads"] = self._speculation.confirmed
+        values["speculative_reads_discarded"] = self._speculation.discarded
         values.update({f"bytes_{name}": n for name, n in self._transports.bytes_by_transport().items()})
         return values
 
@@ -799,6 +878,7 @@ class PoolClient:
         if self._renewer is not None:
             self._renewer.close()
         self._store_failures.close()
+        self._speculation.close()
         self._transports.close()
         self._master.close()
 

@@ -60,6 +60,10 @@ VECTOR_MAX_PART = 128 * 1024
 """Parts shorter than this may travel in READV/WRITEV frames. A longer part goes alone in a READ or
 WRITE (one syscall of its own on both sides; a store started with --read-sendfile sends it from the
 segment's file: decisions 0009 and 0017)."""
+READ_KEY_REQUEST = struct.Struct("<Q")
+"""A READ_KEY request's fixed part: the longest object the client takes (a longer one is refused)."""
+READ_KEY_META = struct.Struct("<QQQQ")
+"""A READ_KEY answer's fixed part: segment_id, offset, length, checksum of the object that follows."""
 MAX_VECTOR_DESCS = VECTOR_COUNT.size + MAX_VECTOR_ENTRIES * (DESC.size + MAX_KEY_BYTES)
 """The longest count + descriptors of a READV/WRITEV frame (all of a READV's payload)."""
 
@@ -88,6 +92,13 @@ class Op(IntEnum):
     READV first: a store that predates it answers UNKNOWN_OP and closes, and gets plain READs and WRITEs."""
     WRITEV = 9
     """Several WRITEs in one frame (module docstring)."""
+    READ_KEY = 10
+    """A speculative read by key, sent while the master lookup is under way (decision 0031). Payload:
+    :data:`READ_KEY_REQUEST` (the longest object the client takes) then the key. The store answers OK with
+    :data:`READ_KEY_META` (where the object it holds under that key lies, and its checksum) and the object's
+    bytes, or a bare OBJECT_NOT_FOUND (it holds no such committed object in DRAM) / BUFFER_TOO_SMALL (longer
+    than asked). The client counts the bytes only once the master's answer names the same segment, range
+    and checksum; a store that predates the op answers UNKNOWN_OP and closes."""
     RDMA_WINDOWS = 24
     """On an RDMA control connection: grants in, one memory window (addr, rkey) per valid grant out, bound to
     the connection's QP over exactly the grant's range and access until it expires (docs/rdma.md)."""

@@ -68,6 +68,11 @@ class StoreConfig:
         "Send READ parts of 128 KiB and more from the segment file with sendfile instead of copying them: "
         "less store CPU, but slower end-to-end on some hosts (docs/decisions/0017); measure before enabling.",
     )
+    read_by_key: bool = option(
+        True,
+        "Answer a client's speculative read by key (READ_KEY, decision 0031) with the committed object held "
+        "under the key: a first read in one round trip. Off: every such read goes through the master first.",
+    )
 
     rdma_device: str = option(
         "auto",

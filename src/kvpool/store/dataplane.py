@@ -64,6 +64,7 @@ from kvpool.proto.frames import (
 )
 from kvpool.store.inventory import Inventory
 from kvpool.store.limits import ClientLimits, client_of
+from kvpool.store.read_by_key import ReadByKey
 from kvpool.store.segment import ShmSegment
 from kvpool.store.ssd import SsdTier
 from kvpool.store.tiering import read_tier_part, serve_tier_read
@@ -211,6 +212,8 @@ class DataPlaneServer:
         # Cluster token (HELLO first on every connection when required) and per-client limits.
         self.auth = auth or TokenChecker(b"")
         self.limits = limits or ClientLimits()
+        self.read_by_key = ReadByKey(inventory, lambda: self._segments, self.limits)
+        """Answers READ_KEY, the speculative read by key (store/read_by_key.py, decision 0031)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -418,6 +421,8 @@ class DataPlaneServer:
                 self._rdma_connect(conn, reader, req_id, length)
             elif op == Op.RDMA_WINDOWS:
                 self._rdma_windows(conn, reader, req_id, length)
+            elif op == Op.READ_KEY:
+                self._read_key(conn, reader, req_id, length)
             else:
                 raise _Close(ErrorCode.UNKNOWN_OP, f"unknown op {op}", req_id, op)
 
@@ -495,6 +500,15 @@ class DataPlaneServer:
         conn.stats.bytes_read += desc.part_length
         if reader.spinner is not None:  # the client's next request comes once it has taken these bytes in
             reader.spinner.window = spin_window(self._spin_s, desc.part_length)
+
+    def _read_key(self, conn: _Conn, reader: FrameReader, req_id: int, length: int) -> None:
+        code, sent = self.read_by_key.serve(conn.sock, conn.client, lambda: _take_held(conn), reader, req_id, length)
+        if code == ErrorCode.BAD_FRAME:
+            raise _Close(code, f"READ_KEY payload of {length} bytes", req_id, Op.READ_KEY)
+        if code != ErrorCode.OK:
+            conn.stats.error(code)
+            self._reply(conn, Op.READ_KEY, req_id, code)
+        conn.stats.bytes_read += sent
 
     def _readv(self, conn: _Conn, reader: FrameReader, req_id: int, length: int, revalidate: int) -> None:
         """Several READs in one frame (frames.py): every entry checked as a READ, one answer for all."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
@@ -172,6 +172,8 @@ class Inventory:
         # (segment_id, offset) -> claim, least recently touched first: expiry is a pop from the front
         self._partials: OrderedDict[tuple[int, int], _Claim] = OrderedDict()
         self._committed = 0
+        self._by_key: dict[bytes, list[InventoryEntry]] = {}
+        """Committed entries by key, oldest first (what a read by key finds: decision 0031)."""
         self.listener: Callable[[InventoryEntry, bool], None] | None = None
         """Told of every entry committed (False) or forgotten (True), in order, under the lock; must be
         quick (the warm-standby feed appends to its journal: store/standby_feed.py)."""
@@ -234,6 +236,7 @@ class Inventory:
         del self._partials[(segment_id, claim.offset)]
         self._segments[segment_id].committed += 1
         self._committed += 1
+        self._by_key.setdefault(claim.key, []).append(claim.entry)
         if self.listener is not None:
             self.listener(claim.entry, False)
 
@@ -243,8 +246,17 @@ class Inventory:
             self._partials.pop((segment_id, claim.offset), None)
         else:
             self._committed -= 1
+            self._unindex(claim.entry)
             if self.listener is not None:
                 self.listener(claim.entry, True)
+
+    def _unindex(self, entry: InventoryEntry) -> None:
+        same_key = self._by_key.get(entry.key)
+        if same_key is None:
+            return
+        same_key[:] = [e for e in same_key if e is not entry]
+        if not same_key:
+            del self._by_key[entry.key]
 
     def _expire_partials(self) -> None:
         horizon = self._clock.monotonic() - self._partial_timeout_s
@@ -277,6 +289,9 @@ class Inventory:
             for key in [k for k in self._partials if k[0] == segment_id]:
                 del self._partials[key]
             self._committed -= claims.committed
+            for claim in claims.by_offset.values():
+                if claim.entry is not None:
+                    self._unindex(claim.entry)
             return claims.committed
 
     # ------------------------------------------------------------------ reports
@@ -287,6 +302,15 @@ class Inventory:
             claims = self._segments.get(segment_id)
             claim = claims.by_offset.get(offset) if claims else None
             return claim is not None and claim.entry is not None and claim.same_object(key, offset, length, checksum)
+
+    def find(self, key: bytes, segments: Container[int]) -> InventoryEntry | None:
+        """The most recently committed object held under ``key`` on one of ``segments``, untouched since
+        it was written, or None: what a read by key (decision 0031) is served from."""
+        with self._lock:
+            for entry in reversed(self._by_key.get(key, ())):
+                if entry.segment_id in segments:
+                    return entry
+            return None
 
     def entries(self, segment_id: int) -> list[InventoryEntry]:
         """Committed objects of one segment, by offset."""

@@ -237,6 +237,7 @@ class StoreServer:
             read_sendfile=cfg.read_sendfile,
             rdma=self.rdma,
         )
+        self.dataplane.read_by_key.enabled = cfg.read_by_key
         self.registry.register(self.dataplane.auth.collector("store"))
         if cfg.ssd_dir:
             self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
@@ -497,6 +498,17 @@ class _StoreCollector(Collector):
             "kvpool_store_connections_rejected",
             "Connections refused (total or per-client limit)",
             value=s.connections_rejected,
+        )
+        by_key = store.dataplane.read_by_key.statistics()
+        yield CounterMetricFamily(
+            "kvpool_store_reads_by_key",
+            "Objects sent for a speculative read by key (decision 0031)",
+            value=by_key.served,
+        )
+        yield CounterMetricFamily(
+            "kvpool_store_reads_by_key_not_held",
+            "Speculative reads by key answered with nothing (no such object here, or larger than asked)",
+            value=by_key.not_held,
         )
         yield from _rdma_metrics(store.rdma)
         errors = CounterMetricFamily("kvpool_store_errors", "Data-plane error replies by code", labels=["code"])

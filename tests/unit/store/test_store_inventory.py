@@ -298,3 +298,26 @@ def test_drop_naming_another_key_keeps_the_newer_object_in_the_range() -> None:
     assert inv.pending() == 1
     assert inv.drop(SEG, 0, b"b")
     assert inv.entries(SEG) == []
+
+
+def test_find_by_key_sees_only_committed_untouched_objects_on_the_given_segments() -> None:
+    """What a read by key (decision 0031) is served from: the key's most recent committed object on a
+    segment the caller serves; never a partial write, nor one overwritten, dropped or on a dropped segment."""
+    inv = Inventory()
+    inv.begin_write(SEG, 0, 100, b"k", 1)
+    inv.record_part(SEG, 0, 100, b"k", 1, 0, 50)
+    assert inv.find(b"k", {SEG}) is None  # half written
+    inv.record_part(SEG, 0, 100, b"k", 1, 50, 50)
+    assert inv.find(b"k", {SEG}) == InventoryEntry(SEG, b"k", 0, 100, 1)
+    assert inv.find(b"k", {SEG + 1}) is None  # not a segment the caller serves
+    assert write_whole(inv, 0, 10, b"k", 2, seg=SEG + 1)
+    assert inv.find(b"k", {SEG, SEG + 1}) == InventoryEntry(SEG + 1, b"k", 0, 10, 2)  # the most recent
+    assert inv.find(b"k", {SEG}) == InventoryEntry(SEG, b"k", 0, 100, 1)
+    inv.begin_write(SEG, 50, 10, b"other", 3)  # a write begins over it: gone before any byte lands
+    assert inv.find(b"k", {SEG}) is None
+    assert inv.drop_segment(SEG + 1) == 1
+    assert inv.find(b"k", {SEG, SEG + 1}) is None
+    assert write_whole(inv, 200, 10, b"k", 4)
+    assert inv.drop(SEG, 200)
+    assert inv.find(b"k", {SEG}) is None
+    assert inv._by_key == {}  # nothing left behind for keys with no entry

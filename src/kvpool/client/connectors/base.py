@@ -33,7 +33,7 @@ log = get_logger(__name__)
 
 # extra-config keys every connector understands, by type (docs/sglang.md, docs/vllm.md, docs/lmcache.md)
 STR_KEYS = ("token_file", "cluster", "tls_ca")
-INT_KEYS = ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries")
+INT_KEYS = ("connections_per_store", "replica_num", "spin_us", "lease_cache_entries", "speculative_read_bytes")
 BOOL_KEYS = ("use_shm", "lease_renewal", "revalidate_reads", "native_lanes")
 COMMON_KEYS = frozenset({"master", "timeout_s", "lookup_timeout_s", "tag", *STR_KEYS, *INT_KEYS, *BOOL_KEYS})
 
