@@ -33,7 +33,7 @@ MAX_EVICTION_ROUNDS = 4
 a row without freeing anything (a stepped eviction goes on while its steps make progress)."""
 
 EVICTION_STEP = 32
-"""Most victims one step of a background (not urgent) sampled eviction frees while holding the interpreter."""
+"""Most victims one step of a background (not urgent) sampled eviction frees under the eviction lock."""
 SAMPLE_WINDOW = 64
 """Most objects a sampled pass examines in one shard per visit; the shard's next visit goes on after them
 (docs/decisions/0085-sampled-eviction.md)."""
@@ -141,8 +141,8 @@ class Evictor:
         the bytes freed but not as an eviction; ``urgent`` (a failed allocation) always frees at once.
 
         A sampled eviction that is not ``urgent`` (the maintenance thread's) works in steps of at most
-        ``EVICTION_STEP`` victims, and between steps lets go of the eviction lock and of the interpreter,
-        so that a put never waits behind more than one step (docs/decisions/0085-sampled-eviction.md).
+        ``EVICTION_STEP`` victims and lets go of the eviction lock between steps, so that a put whose
+        allocation failed waits behind one step, not the whole eviction (docs/decisions/0085-sampled-eviction.md).
         """
         started = time.perf_counter()
         cpu_started = time.thread_time()
@@ -163,8 +163,6 @@ class Evictor:
             if finished:
                 break
             fruitless = fruitless + 1 if tally.last_freed == 0 or not stepped else 0
-            if stepped and tally.freed < bytes_to_free:
-                time.sleep(0)  # let a waiting put have the interpreter between two steps
         if tally.objects:
             self._count_evicted(tally.objects, tally.gone_bytes)
         self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started)
