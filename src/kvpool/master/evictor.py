@@ -112,7 +112,7 @@ class Evictor:
         self._work = EvictionWork(0, 0, 0, 0.0)
 
     def work(self) -> EvictionWork:
-        """Calls, objects examined and evicted, and seconds spent, since the start."""
+        """Calls, objects examined and evicted, and CPU seconds spent, since the start."""
         with self._work_lock:
             return self._work
 
@@ -156,7 +156,7 @@ class Evictor:
                     bytes_to_free = self.default_eviction_bytes()
                 need = bytes_to_free - tally.freed
                 if to_target and tally.rounds:
-                    need = min(need, self.default_eviction_bytes())  # puts may have freed some meanwhile
+                    need = min(need, self.default_eviction_bytes())  # others may have freed some meanwhile
                 if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
                     break  # (the demotion backlog is full: victims would only be deferred)
                 finished = self._round(need, urgent, stepped, tally)
