@@ -41,6 +41,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError, strerror
 from kvpool.common.keys import Namespace
 from kvpool.common.keys import page_keys as _chain_keys
 from kvpool.common.log import get_logger
+from kvpool.common.registry import Registry
 from kvpool.transfer.memcopy import copy_into, copy_of, page_aligned
 
 log = get_logger(__name__)
@@ -81,6 +82,13 @@ class PrefetchPolicy(enum.StrEnum):
     (so a dead peer ends the prefetch), not the prefetch as a whole."""
     TIMEOUT = "timeout"
     """The prefetch stops at ``deadline_s`` after it was issued; ``wait()`` blocks until then at most."""
+
+
+# The one list of prefetch policies (common/registry.py): ``EngineClient.prefetch`` accepts these names, and
+# a new policy is a member above, its branch in ``PrefetchHandle``, and its line here.
+PREFETCH_POLICIES: Registry[PrefetchPolicy] = Registry("prefetch policy")
+for _policy in PrefetchPolicy:
+    PREFETCH_POLICIES.add(_policy.value, _policy)
 
 
 class EndReason(enum.StrEnum):
@@ -458,7 +466,7 @@ class EngineClient:
         valid until the handle is ``done()`` (or ``cancel()`` returned). ``hit_pages``: the caller already
         ran ``prefix_length`` - skip the lookup round trip.
         """
-        policy = PrefetchPolicy(policy)
+        policy = PREFETCH_POLICIES.get(policy)
         hashes = list(keys)
         expected = len(hashes) * self.objects_per_page
         n_into = len(into[0]) if _is_ptr_form(into) else len(into)

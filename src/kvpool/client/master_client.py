@@ -324,7 +324,7 @@ class MasterClient:
                     ErrorCode.UNAVAILABLE, f"master call {op.name}: {self._address} unreachable: {exc}"
                 ) from exc
             status = response.status
-            status_code = as_code(status.code) if status.code else ErrorCode.OK  # the enum call costs ~1 us
+            status_code = as_code(status.code) if status.code else ErrorCode.OK  # not ErrorCode(): see as_code
             if not self._accept_view(status.view):
                 status_code = ErrorCode.STALE_VIEW
             if status_code == ErrorCode.LEADER_WARMING_UP:

@@ -1,4 +1,4 @@
-"""Named registries of pluggable parts (placement, eviction): one list of names per kind of policy.
+"""Named registries of pluggable parts (placement, eviction, prefetch): one list of names per kind of policy.
 
 A registry maps a name to a factory. The config takes its ``choices`` from it, the factory function
 (``make_placement``, ``make_eviction``) looks names up in it, and ``kvpool ... --help`` and the docs list

@@ -123,7 +123,7 @@ class ShardMap:
 
     def count_objects(self) -> int:
         """All objects, including unfinished puts (len() of a dict is atomic; no lock needed)."""
-        return sum(len(s.objects) for s in self.shards)
+        return sum(map(len, self._objects))
 
     def count_processing(self) -> int:
         return sum(len(s.processing) for s in self.shards)

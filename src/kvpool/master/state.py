@@ -42,7 +42,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import EvictionPolicy, make_eviction
-from kvpool.master.evictor import Evictor
+from kvpool.master.evictor import EvictionWork, Evictor
 from kvpool.master.freeing import RECLAIM_GRACE_S, FreeingMixin, Range
 from kvpool.master.membership import HEARTBEAT_FREED_LIMIT, MembershipMixin, _encode_key
 from kvpool.master.objects import (
@@ -557,6 +557,10 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
         """Approximate-LRU eviction of at least ``bytes_to_free`` bytes (default: down to eviction_target);
         master/evictor.py has how."""
         return self._evictor.evict(bytes_to_free, urgent)
+
+    def eviction_work(self) -> EvictionWork:
+        """Eviction calls, objects examined and evicted, and seconds spent since the start (benchmarks)."""
+        return self._evictor.work()
 
     def _count_evicted(self, objects: int, nbytes: int) -> None:
         with self._stats_lock:

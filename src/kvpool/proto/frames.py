@@ -1,8 +1,8 @@
 """kvpool's lean framed protocol: one fixed header, then the payload.
 
 Used by the store's data plane (READ/WRITE of object ranges) and by the master's hot path (the same
-protobuf messages as the gRPC service, without gRPC's per-call cost: ~30 us instead of ~450 us per
-round trip in Python). Little-endian throughout.
+protobuf messages as the gRPC service, without gRPC's per-call cost, an order of magnitude more per round
+trip in Python: docs/decisions/0050-measurements.md). Little-endian throughout.
 
 Header (28 bytes)::
 

@@ -52,6 +52,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "SSD tier: demotion, burst kept fraction and SSD reads against the disk's direct bandwidth",
     ),
 }
+BENCHES["eviction"] = (
+    "kvpool.tools.bench_eviction",
+    "master put p50/p99 with the pool full and evicting vs free; eviction work per freed object",
+)
 BENCHES["serve"] = (
     "kvpool.tools.bench_serve",
     "replay a trace over N prefill instances: TTFT and goodput under an SLO, no cache/private/pool",

@@ -18,7 +18,7 @@ Shape (docs/architecture.md, "Data plane and grants", and the lessons from Moonc
   granted: the response bytes in flight fit in our receive buffer, and the request frames in flight fit
   in our send buffer; READs and WRITEs are never in flight together on one connection. Payload bytes in
   flight are also capped (``inflight_bytes``, default two stripes and at least 2 MiB): deeper pipelines
-  only leave data cold in socket buffers, which measured slower on loopback. READ requests are sent half a
+  only leave data cold in socket buffers (docs/decisions/0050-measurements.md). READ requests are sent half a
   window at a time in one vectored ``sendmsg``: a batch of small reads costs a syscall (and a store
   wake-up) per burst, not per request.
 * **READV / WRITEV.** A run of small READ (WRITE) parts, each under ``VECTOR_MAX_PART``, goes in one
@@ -127,8 +127,8 @@ class TcpTransport(Transport):
                 "connections_per_endpoint, stripe_bytes and window must be >= 1, vector_bytes >= 0",
             )
         self.window = window
-        # Payload bytes a lane keeps in flight. Past about two parts more only adds data sitting cold in
-        # socket buffers (measured: a deeper pipeline is slower on loopback, as it leaves the CPU caches).
+        # Payload bytes a lane keeps in flight: past about two parts more only adds data sitting cold in
+        # socket buffers (docs/decisions/0050-measurements.md, "The TCP transport's pipeline").
         self.inflight_bytes = max(2 << 20, 2 * stripe_bytes) if inflight_bytes is None else inflight_bytes
         self.connections_per_endpoint = connections_per_endpoint
         self.stripe_bytes = stripe_bytes
@@ -264,9 +264,9 @@ class TcpTransport(Transport):
         """Whether the values of one endpoint's share of a batch are striped (module docstring, "Parts").
 
         Striping spreads a large value over the lanes; when a batch holds enough of them to keep every lane
-        busy whole, each extra part only costs a request (batched 4 MiB gets and puts measured 5-10 %
-        faster unstriped). So the values go whole unless striping finishes sooner, by the dealing's own
-        cost model: 5 values of 4 MiB on 4 lanes are striped, 8 go whole."""
+        busy whole, each extra part only costs a request (docs/decisions/0050-measurements.md). So the values
+        go whole unless striping finishes sooner, by the dealing's own cost model: 5 values of 4 MiB on 4
+        lanes are striped, 8 go whole."""
         stripe = self.stripe_bytes
         if all(n <= stripe for n in lengths):
             return False

@@ -387,7 +387,7 @@ class _Lane:
                 # READ frames are tiny: refill only once half the window is answered, with one vectored
                 # send, so a burst of reads costs us one syscall and the store one wake-up, not one per
                 # request. A WRITE carries its payload and goes as soon as there is room (holding writes
-                # back for a burst measured no faster).
+                # back for a burst gains nothing: docs/decisions/0050-measurements.md).
                 if next_send < len(parts) and (len(inflight) <= refill_at or parts[next_send].op != Op.READ):
                     out: list[Any] = []
                     while next_send < len(parts) and len(inflight) < window:

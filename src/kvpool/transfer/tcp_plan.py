@@ -198,8 +198,8 @@ class _Job:
 class _Batch(TransferBatch):
     """Per-request codes of one submitted batch; a request is OK only if all its parts are.
 
-    Completion is a plain lock held until the last job is done (a threading.Event costs ~5 us to create
-    and ~10 us to set and wait on: a tenth of a small get).
+    Completion is a plain lock held until the last job is done: cheaper than a threading.Event, whose cost
+    is a noticeable share of a small get (docs/decisions/0050-measurements.md).
     """
 
     def __init__(self, n_requests: int, deadline: Deadline) -> None:
