@@ -85,7 +85,13 @@ def main() -> int:
         assert state.mount_segment(spec, [], False).code == 0
     gc.collect()
     base = rss_bytes()
-    checkpoints = sorted({n for n in (1_000_000, 2_000_000, 5_000_000, args.objects) if n <= args.objects})
+    checkpoints = sorted(
+        {
+            n
+            for n in (1_000_000, 2_000_000, 3_000_000, 4_000_000, 5_000_000, 7_000_000, args.objects)
+            if n <= args.objects
+        }
+    )
     rows = []
     done = 0
     started = time.perf_counter()
