@@ -2,7 +2,9 @@
 
 Prints the time until a new leader serves, the time until the first successful client read after the
 kill, the fraction of objects acknowledged more than 1 s before the kill that are readable afterwards
-with correct bytes, and the number of wrong reads during the whole run (must be 0).
+with correct bytes, and the number of wrong reads during the whole run (must be 0). ``--objects N`` (above
+400) measures recovery over time at scale; ``--compare-puts N`` instead compares puts into a cluster with 2
+warm standbys and one without.
 """
 
 from __future__ import annotations
