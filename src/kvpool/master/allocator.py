@@ -136,13 +136,7 @@ class OffsetAllocator:
         """Reserve ``length`` bytes (rounded up to the alignment); the offset, or None if nothing fits."""
         if length <= 0:
             raise ValueError(f"length must be > 0, got {length}")
-        need = (length + self._mask) & ~self._mask
-        # Intern block lengths: a million blocks of one page size then share one int (28 bytes each).
-        interned = self._interned.get(need)
-        if interned is not None:
-            need = interned
-        elif len(self._interned) < _INTERN_LIMIT:
-            self._interned[need] = need
+        need = self._intern((length + self._mask) & ~self._mask)
         with self._lock:
             lengths = self._lengths
             i = bisect_left(lengths, need)
@@ -177,6 +171,16 @@ class OffsetAllocator:
             self._insert_free(offset, length)
             return length
 
+    def _intern(self, need: int) -> int:
+        """One int per block length: a million blocks of one page size then share one int (32 bytes each);
+        an index rebuilt from inventories (a re-mount, a warm standby's feed) reserves every block."""
+        interned = self._interned.get(need)
+        if interned is not None:
+            return interned
+        if len(self._interned) < _INTERN_LIMIT:
+            self._interned[need] = need
+        return need
+
     def reserve(self, offset: int, length: int) -> bool:
         """Claim exactly ``[offset, offset + length)`` (rounded up, clipped at the end).
 
@@ -185,7 +189,7 @@ class OffsetAllocator:
         """
         if offset < 0 or length <= 0 or offset & self._mask or offset + length > self._size:
             return False
-        need = min((length + self._mask) & ~self._mask, self._size - offset)
+        need = self._intern(min((length + self._mask) & ~self._mask, self._size - offset))
         with self._lock:
             starts = self._starts
             i = bisect_right(starts, offset) - 1

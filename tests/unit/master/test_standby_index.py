@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import random
+import sys
+import tracemalloc
+
 from master_scenario import OK, Cluster, MiB, checksum_of
 
 from kvpool.common.errors import ErrorCode as E
@@ -175,3 +179,30 @@ def test_deltas_keep_a_quiet_store_alive_for_the_next_leader() -> None:
     s.follower = False
     assert s.c.state.expire_stores() == ["store2"]
     assert s.c.present(["a", "b"]) == ["a"]
+
+
+def test_a_fed_index_costs_at_most_400_bytes_per_object() -> None:
+    # A warm standby holds the whole index, built by adoption (as a re-mount is): the same budget as the
+    # put path (test_master_state.py::test_memory_per_object_is_under_400_bytes), keys counted in.
+    s = Standby()
+    epoch = s.sync(1, [], size=64 * 1024 * MiB)
+    n, batch, size = 8000, 1000, 320 * 1024
+    keys = [f"{random.Random(i).getrandbits(256):064x}@tp0_r1" for i in range(n)]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(0, n, batch):
+            # Offsets, lengths and checksums as distinct ints, as the wire gives them.
+            changes = [
+                (InventoryItem(k, int(str(j * size)), int(str(size)), random.getrandbits(64)), False)
+                for j, k in enumerate(keys[i : i + batch], start=i)
+            ]
+            assert s.delta(1, epoch, *changes) == OK
+            del changes
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    per_object = used / n + sum(sys.getsizeof(k) for k in keys) / n
+    print(f"fed index memory per object: {per_object:.0f} bytes")
+    assert per_object <= 400, per_object
+    assert s.c.state.stats().objects == n
