@@ -4,7 +4,13 @@ The store's DRAM is split into G equal segments; segment g is mounted to group g
 group g's etcd scope), heartbeats there, re-mounts there with its inventory after a failover and feeds
 group g's standbys. Each group allocates only in its own segment, so no group ever waits for another.
 All the segments are served by the group-0 server's one data plane (one port, one token; every grant
-names its segment and is checked with that segment's secret), and share one inventory.
+names its segment and is checked with that segment's secret) and by its RDMA responders (each registers
+every group's segment, so RDMA_CONNECT admits grants of any group), and share one inventory.
+
+With ``--ssd-dir`` each group gets its own share of the SSD tier: ``--ssd-size / G`` in the sub-directory
+``group-<g>`` (its own data file, journal and directory lock), mounted to group g as its tier=1 segment and
+run by group g's tier worker, so no SSD write, read or re-adoption of one group takes a lock of another's
+(decision 0081). A restarted store re-adopts each share with its group.
 """
 
 from __future__ import annotations
@@ -52,25 +58,37 @@ def store_groups(config: StoreConfig) -> int:
             time.sleep(1.0)
 
 
-def group_segment_size(size: int, groups: int) -> int:
+def group_segment_size(size: int, groups: int, option: str = "--size") -> int:
     each = size // groups // _SEGMENT_ALIGN * _SEGMENT_ALIGN
     if each <= 0:
         raise KvPoolError(
-            ErrorCode.INVALID_ARGUMENT, f"--size {size} is too small for {groups} shard groups of 2 MiB or more"
+            ErrorCode.INVALID_ARGUMENT, f"{option} {size} is too small for {groups} shard groups of 2 MiB or more"
         )
     return each
 
 
+def group_ssd_dir(ssd_dir: str, group: int) -> str:
+    """Group ``group``'s share of the SSD tier directory (decision 0081)."""
+    return str(Path(ssd_dir) / f"group-{group}")
+
+
+def group_configs(config: StoreConfig, groups: int) -> list[StoreConfig]:
+    """Each group's part of the store: an equal share of the DRAM and of the SSD tier."""
+    part = dataclasses.replace(config, size=group_segment_size(config.size, groups))
+    if not config.ssd_dir:
+        return [part] * groups
+    ssd_size = group_segment_size(config.ssd_size, groups, "--ssd-size")
+    return [
+        dataclasses.replace(part, ssd_dir=group_ssd_dir(config.ssd_dir, g), ssd_size=ssd_size) for g in range(groups)
+    ]
+
+
 def serve_groups(config: StoreConfig, groups: int, ready_file: str = "") -> int:
     """``kvpool store`` in a cluster of ``groups`` shard groups: serve until SIGTERM/SIGINT."""
-    if config.ssd_dir:
-        raise KvPoolError(ErrorCode.NOT_SUPPORTED, "the SSD tier is not supported with several shard groups yet")
-    if config.rdma_device.strip() != "off":
-        log.info("RDMA is not served with several shard groups yet: clients use TCP or shared memory")
-    part = dataclasses.replace(config, size=group_segment_size(config.size, groups), rdma_device="off")
-    primary = StoreServer(part, group=0, groups=groups)
+    parts = group_configs(config, groups)
+    primary = StoreServer(parts[0], group=0, groups=groups)
     primary.start()
-    servers = [primary] + [StoreServer(part, group=g, groups=groups, primary=primary) for g in range(1, groups)]
+    servers = [primary] + [StoreServer(parts[g], group=g, groups=groups, primary=primary) for g in range(1, groups)]
     for server in servers[1:]:
         server.start()
     stop = threading.Event()

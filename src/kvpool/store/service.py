@@ -239,9 +239,7 @@ class StoreServer:
         )
         self.dataplane.read_by_key.enabled = cfg.read_by_key
         self.registry.register(self.dataplane.auth.collector("store"))
-        if cfg.ssd_dir:
-            self.tier = StoreTier.open(cfg.ssd_dir, cfg.ssd_size)
-            self.dataplane.add_tier(self.tier.segment_id, self.tier.ssd, self.tier.secret)
+        self._open_tier()
         self.dataplane.start()
         if cfg.metrics_port >= 0:
             self._metrics = MetricsServer(cfg.host, cfg.metrics_port, self.registry, self._health).start()
@@ -265,10 +263,21 @@ class StoreServer:
         self.segment.prefault()
         self.dataplane = primary.dataplane
         self.dataplane.add_segment(self.segment, self._secret)
+        if primary.rdma is not None:  # the primary's responders register it: RDMA_CONNECT admits any group's grant
+            primary.rdma.add_segment(self.segment.id, self.segment, self._secret)
+        self._open_tier()
         primary.members.append(self)
         log.info(
             "store %s: segment %d (%d bytes) for shard group %d", self.store_id, self.segment.id, cfg.size, self.group
         )
+
+    def _open_tier(self) -> None:
+        """The SSD tier (--ssd-dir; with several groups this group's share of it), served by the data plane."""
+        if not self.config.ssd_dir:
+            return
+        assert self.dataplane is not None
+        self.tier = StoreTier.open(self.config.ssd_dir, self.config.ssd_size)
+        self.dataplane.add_tier(self.tier.segment_id, self.tier.ssd, self.tier.secret)
 
     @property
     def tcp_endpoint(self) -> str:
@@ -451,16 +460,34 @@ class StoreServer:
             self.rdma.close()  # after the data plane, before the unmap: its MRs pin the segment's pages
         if self.segment is not None:
             self.segment.close()
-        if self.tier is not None:
-            self.tier.close()  # after the data plane: no SSD read is in flight any more
+        if self._primary is None:  # the data plane serves every group's tier until it stops
+            for tier in [self.tier, *(m.tier for m in self.members)]:
+                if tier is not None:
+                    tier.close()  # after the data plane: no SSD read is in flight any more
         self._link.reset()
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
-        return self._mounted, {
+        mounted = self.all_mounted()
+        body: dict[str, Any] = {
             "store_id": self.store_id,
             "node": self.node,
-            "mounted": self._mounted,
+            "mounted": mounted,
             "objects": len(self.inventory),
+        }
+        if self.groups > 1:  # ready only when every group can allocate here; say which group is missing
+            body["groups"] = [server._group_health() for server in [self, *self.members]]
+        return mounted, body
+
+    def all_mounted(self) -> bool:
+        """Mounted with every group's master (with one group: with the master)."""
+        return self._mounted and all(m._mounted for m in self.members)
+
+    def _group_health(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "mounted": self._mounted,
+            "segment_id": self.segment.id if self.segment is not None else 0,
+            **({"ssd_segment_id": self.tier.segment_id} if self.tier is not None else {}),
         }
 
 
@@ -471,9 +498,12 @@ class _StoreCollector(Collector):
     def collect(self) -> Any:
         store = self._store
         yield GaugeMetricFamily("kvpool_store_objects", "Objects in this store's inventory", value=len(store.inventory))
-        yield GaugeMetricFamily("kvpool_store_mounted", "1 when mounted with a master", value=int(store._mounted))
-        if store.tier is not None:
-            for name, value in store.tier.metrics().items():
+        yield GaugeMetricFamily(
+            "kvpool_store_mounted", "1 when mounted with a master (every group's)", value=int(store.all_mounted())
+        )
+        tiers = [t for t in [store.tier, *(m.tier for m in store.members)] if t is not None]
+        if tiers:
+            for name, value in _tier_totals(tiers).items():
                 doc = f"SSD tier: {name.replace('_', ' ')}"
                 family = CounterMetricFamily if name in StoreTier.COUNTERS else GaugeMetricFamily
                 yield family(f"kvpool_store_{name}", doc, value=value)
@@ -515,6 +545,17 @@ class _StoreCollector(Collector):
         for code, n in sorted(s.errors.items()):
             errors.add_metric([code], n)
         yield errors
+
+
+def _tier_totals(tiers: list[StoreTier]) -> dict[str, int]:
+    """The SSD figures of every group's tier share summed (direct I/O: 1 only when every share uses it)."""
+    totals: dict[str, int] = {}
+    for tier in tiers:
+        for name, value in tier.metrics().items():
+            totals[name] = (
+                min(totals.get(name, value), value) if name == "ssd_direct_io" else totals.get(name, 0) + value
+            )
+    return totals
 
 
 def _rdma_metrics(rdma: Responder | None) -> Any:
