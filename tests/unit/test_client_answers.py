@@ -3,7 +3,7 @@ tuple.__new__, for speed): the same values as the named tuples' own constructors
 
 from __future__ import annotations
 
-from kvpool.client.pool_client import _Resolved, _resolved
+from kvpool.client.call_parts import _Resolved, _resolved
 from kvpool.proto import master_pb2 as pb
 from kvpool.transfer.base import Replica, replica_of
 

@@ -32,9 +32,10 @@ Shape:
   store is in a reconnect cooldown, so :class:`~kvpool.transfer.registry.TransportSet` sends the rest over
   TCP.
 
-The code lives in four modules: :mod:`~kvpool.transfer.rdma_wire` (the RDMA_CONNECT codec and control
+The code lives in five modules: :mod:`~kvpool.transfer.rdma_wire` (the RDMA_CONNECT codec and control
 exchange), :mod:`~kvpool.transfer.rdma_memory` (registration and work-request planning),
-:mod:`~kvpool.transfer.rdma_client` (:class:`RdmaTransport`) and :mod:`~kvpool.transfer.rdma_responder`
+:mod:`~kvpool.transfer.rdma_client` (:class:`RdmaTransport`; its connections in
+:mod:`~kvpool.transfer.rdma_connection`) and :mod:`~kvpool.transfer.rdma_responder`
 (:class:`RdmaResponder`). This module re-exports their public names.
 """
 
@@ -43,8 +44,8 @@ from kvpool.transfer.rdma_client import (
     DEFAULT_SQ_DEPTH,
     RdmaStats,
     RdmaTransport,
-    completion_code,
 )
+from kvpool.transfer.rdma_connection import completion_code
 from kvpool.transfer.rdma_memory import Piece, SegmentMemory, plan_pieces, register_chunked
 from kvpool.transfer.rdma_responder import RdmaResponder
 from kvpool.transfer.rdma_wire import (

@@ -19,7 +19,7 @@ from kvpool.transfer.rdma_windows import WINDOW_GRACE_MS
 from kvpool.transfer.verbs import Opcode
 
 if TYPE_CHECKING:
-    from kvpool.transfer.rdma_client import _Connection
+    from kvpool.transfer.rdma_connection import _Connection
 
 ABORT_AFTER_EXPIRY_MS = WINDOW_GRACE_MS // 2
 """Work still on the NIC this long after its grant expired is aborted, before the store drops the window."""

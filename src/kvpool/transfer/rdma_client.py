@@ -1,29 +1,28 @@
-"""The client half of RDMA: :class:`RdmaTransport`, its connections (one RC QP per store), batches
-and completion handling. The overview is in :mod:`kvpool.transfer.rdma`.
+"""The client half of RDMA: :class:`RdmaTransport`: what it knows of each store (STORE_INFO), connecting
+(one RC QP per store, with cooldowns after failures) and splitting a batch into chunks on those connections.
+One connection's posting and completions are in :mod:`kvpool.transfer.rdma_connection`. The overview is in
+:mod:`kvpool.transfer.rdma`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
-from kvpool.common.errors import ErrorCode, KvPoolError, as_code
+from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.grants import Grant, GrantOp
 from kvpool.common.log import get_logger
-from kvpool.proto import frames
 from kvpool.proto.frames import MAX_KEY_BYTES
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 from kvpool.transfer.rdma_batch import _Batch, _Chunk
+from kvpool.transfer.rdma_connection import _Connection
 from kvpool.transfer.rdma_memory import _close_quietly, _LocalMemory, plan_pieces
-from kvpool.transfer.rdma_windows import ClientWindows
 from kvpool.transfer.rdma_wire import (
     RemoteRegion,
     _decode,
@@ -43,8 +42,6 @@ from kvpool.transfer.verbs import (
     QueuePair,
     Verbs,
     VerbsError,
-    WcStatus,
-    WorkRequest,
     buffer_address,
 )
 
@@ -52,301 +49,15 @@ logger = get_logger(__name__)
 
 DEFAULT_MAX_WR_BYTES = 1 << 30
 DEFAULT_SQ_DEPTH = 128
-_POLL_BATCH = 64
-_ABORT_DRAIN_S = 1.0  # how long an aborted QP may take to flush before it is destroyed regardless
 _FAILURES_BEFORE_COOLDOWN = 3
 WINDOW_EXPIRY_MARGIN_MS = 1000
 """A grant with less than this left goes over TCP: RDMA spends a round trip on its window first, and a grant that
 expires before its work request is posted fails that request (decision 0024)."""
-_RECORD_REQ_BASE = 16  # RECORD request ids on a control connection (1 and 2 were HELLO and RDMA_CONNECT)
 _LEARN_TIMEOUT_S = 0.5  # can_reach has no deadline: a store slow to say STORE_INFO is served over TCP meanwhile
 _RELEARN_S = 1.0  # a store met again with an unknown segment (restarted) is asked STORE_INFO again after this
 
 # Connect refusals about the request's grants, not about the path to the store: no cooldown for these.
 _REQUEST_REFUSALS = frozenset({ErrorCode.AUTH_FAILED, ErrorCode.GRANT_EXPIRED, ErrorCode.SEGMENT_NOT_FOUND})
-_TIMEOUT_STATUSES = frozenset({WcStatus.RETRY_EXC_ERR, WcStatus.RNR_RETRY_EXC_ERR, WcStatus.RESP_TIMEOUT_ERR})
-
-
-def completion_code(status: WcStatus) -> ErrorCode:
-    """The ErrorCode a request gets for a work completion status.
-
-    The transport retry/ack timeouts (the peer stopped answering) are TIMEOUT; every other failure -
-    protection and access errors, flushes after an earlier error, fatal device errors - is TRANSFER_FAILED.
-    """
-    if status == WcStatus.SUCCESS:
-        return ErrorCode.OK
-    if status in _TIMEOUT_STATUSES:
-        return ErrorCode.TIMEOUT
-    return ErrorCode.TRANSFER_FAILED
-
-
-# ---------------------------------------------------------------------- connections
-class _Connection:
-    """One RC QP to one store, its CQ, the control socket that keeps it alive, and its work queues."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        sock: socket.socket,
-        qp: QueuePair,
-        cq: CompletionQueue,
-        regions: list[RemoteRegion],
-        writable: bool,
-        depth: int,
-        windowed_segments: frozenset[int] | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> None:
-        self.endpoint = endpoint
-        self.writable = writable
-        self.windows = ClientWindows(clock) if windowed_segments is not None else None
-        """Per-grant windows (the store binds one per grant); None: the segments' regions came at connect."""
-        self._windowed_segments = windowed_segments or frozenset()
-        self._sock: socket.socket | None = sock
-        self._qp: QueuePair | None = qp
-        self._cq: CompletionQueue | None = cq
-        self._regions: dict[int, list[RemoteRegion]] = {}
-        for region in regions:
-            self._regions.setdefault(region.segment_id, []).append(region)
-        self._depth = depth
-        self._clock = clock
-        self.chained = True
-        """Post each window of work requests as one chained list (False: one ``post_send`` each)."""
-        self._lock = threading.Lock()
-        self._record_lock = threading.Lock()  # one RECORD exchange at a time on the control connection
-        self._pending: deque[_Chunk] = deque()
-        self._inflight: dict[int, _Chunk] = {}
-        self._next_wr = 0
-        self.broken: ErrorCode | None = None
-        self.retired = False
-        self.work_requests = 0
-        self.successes = 0
-        self.post_seconds = 0.0
-        """CPU time this process's posting threads spent posting work requests (thread CPU time, so that a
-        thread descheduled on a loaded machine does not count; a fake NIC's copy included: see
-        RdmaTransport.post_us_per_wr)."""
-
-    # ---- queries
-    def covers(self, segment_ids: Iterable[int]) -> bool:
-        if self.windows is not None:
-            return all(s in self._windowed_segments for s in segment_ids)
-        return all(s in self._regions for s in segment_ids)
-
-    def window_regions(
-        self, items: Sequence[tuple[Grant, int]], deadline: Deadline
-    ) -> list[tuple[ErrorCode, list[RemoteRegion]]]:
-        """The windows of these (grant, checksum) pairs, asked on the control connection when not cached."""
-        assert self.windows is not None
-        with self._record_lock:
-            sock = self._sock
-            if sock is None:
-                return [(self.broken or ErrorCode.CONNECTION_FAILED, [])] * len(items)
-            try:
-                return self.windows.get(sock, items, max(0.001, deadline.remaining() or 5.0))
-            except (OSError, KvPoolError) as exc:
-                code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.CONNECTION_FAILED
-                with self._lock:
-                    self._break(code, f"RDMA_WINDOWS failed: {exc}")
-                return [(code, [])] * len(items)
-
-    def regions(self, segment_id: int) -> list[RemoteRegion]:
-        return self._regions.get(segment_id, [])
-
-    @property
-    def usable(self) -> bool:
-        return self.broken is None and not self.retired and not self._peer_closed()
-
-    def _peer_closed(self) -> bool:
-        """The store closed the control connection (restart, release): its QP is gone too."""
-        sock = self._sock
-        if sock is None:
-            return True
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-
-    # ---- work
-    def enqueue(self, chunks: Sequence[_Chunk]) -> None:
-        with self._lock:
-            if self.broken is not None or self._qp is None:
-                for chunk in chunks:
-                    chunk.batch.finish(chunk, self.broken or ErrorCode.CONNECTION_FAILED)
-                return
-            self._pending.extend(chunks)
-
-    def progress(self) -> None:
-        """Post what the send queue has room for, then reap completions (any thread may call it)."""
-        with self._lock:
-            if self._qp is None or self._cq is None:
-                return
-            self._post()
-            if self._inflight:
-                self._poll()
-            if self.broken is not None and not self._inflight:
-                self._release()
-            elif self.retired and not self._inflight and not self._pending:
-                self._release()
-
-    def _post(self) -> None:
-        started = time.thread_time()
-        try:
-            self._post_window()
-        finally:
-            self.post_seconds += time.thread_time() - started
-
-    def _post_window(self) -> None:
-        """Post what the send queue has room for: one chained list (``post_send_list``), or one work request
-        at a time where ``chained`` is off (the figure decision 0021 compares with)."""
-        qp = self._qp
-        assert qp is not None
-        if not self._pending or self.broken is not None:
-            return
-        now_ms = self._clock.wall_ms()
-        ready: list[_Chunk] = []
-        wrs: list[WorkRequest] = []
-        while self._pending and len(self._inflight) + len(ready) < self._depth:
-            chunk = self._pending.popleft()
-            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
-                # Its window may be gone (or go while the request is on the NIC), and a request that hits a
-                # dead window kills the QP with everyone's work on it: fail just this one (decision 0024).
-                chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
-                continue
-            p = chunk.piece
-            self._next_wr += 1
-            wrs.append(WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey))
-            ready.append(chunk)
-        if not wrs:
-            return
-        if self.chained:
-            posted = qp.post_send_list(wrs)
-            refusal = qp.last_post_error
-        else:
-            posted, refusal = self._post_one_by_one(qp, wrs)
-        for wr, chunk in zip(wrs[:posted], ready[:posted], strict=True):
-            self._inflight[wr.wr_id] = chunk
-        self.work_requests += posted
-        if posted < len(wrs):
-            self._pending.extendleft(reversed(ready[posted:]))  # not posted: failed by _break below
-            self._break(ErrorCode.TRANSFER_FAILED, f"post_send: {refusal}")
-
-    @staticmethod
-    def _post_one_by_one(qp: QueuePair, wrs: list[WorkRequest]) -> tuple[int, VerbsError | None]:
-        for posted, wr in enumerate(wrs):
-            try:
-                qp.post_send(wr)
-            except VerbsError as exc:
-                return posted, exc
-        return len(wrs), None
-
-    def _poll(self) -> None:
-        cq = self._cq
-        assert cq is not None
-        try:
-            completions = cq.poll(_POLL_BATCH)
-        except VerbsError as exc:
-            self._break(ErrorCode.TRANSFER_FAILED, f"poll: {exc}")
-            self._fail_inflight(ErrorCode.TRANSFER_FAILED)
-            return
-        for wc in completions:
-            chunk = self._inflight.pop(wc.wr_id, None)
-            if chunk is None:
-                continue
-            code = completion_code(wc.status)
-            if wc.status == WcStatus.WR_FLUSH_ERR and self.broken is not None:
-                code = self.broken  # flushed because of an earlier failure or an abort: report that
-            elif code != ErrorCode.OK:
-                self._break(code, f"work completion {wc.status.name} (vendor error {wc.vendor_err:#x})")
-            else:
-                self.successes += 1
-            chunk.batch.finish(chunk, code)
-
-    def _break(self, code: ErrorCode, why: str) -> None:
-        """Move the QP to ERR (outstanding work flushes) and fail everything not yet posted."""
-        if self.broken is None:
-            self.broken = code
-            if code not in (ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN):
-                logger.warning("rdma %s: %s; the QP is torn down and re-established on next use", self.endpoint, why)
-            if self._qp is not None:
-                try:
-                    self._qp.to_error()
-                except VerbsError as exc:
-                    logger.debug("rdma %s: QP -> ERR: %s", self.endpoint, exc)
-        pending, self._pending = self._pending, deque()
-        for chunk in pending:
-            chunk.batch.finish(chunk, self.broken if self.broken is not None else code)
-
-    def _fail_inflight(self, code: ErrorCode) -> None:
-        inflight, self._inflight = self._inflight, {}
-        for chunk in inflight.values():
-            chunk.batch.finish(chunk, code)
-
-    def abort(self, code: ErrorCode, why: str) -> None:
-        """Stop everything now: QP to ERR, wait (bounded) for the flush, destroy the QP.
-
-        After this returns the NIC no longer touches any buffer of any request that was on this connection,
-        so their callers may reuse the memory.
-        """
-        with self._lock:
-            if self._qp is None:
-                return
-            if not self._inflight and not self._pending and self.broken is None:
-                return  # nothing of ours in flight: keep the connection
-            self._break(code, why)
-            end = time.monotonic() + _ABORT_DRAIN_S
-            while self._inflight and time.monotonic() < end and self._cq is not None:
-                self._poll()
-            self._fail_inflight(code)  # destroying the QP below stops the NIC for whatever did not flush
-            self._release()
-
-    def close(self) -> None:
-        self.abort(ErrorCode.SHUTTING_DOWN, "transport closed")
-        with self._lock:
-            self.broken = self.broken or ErrorCode.SHUTTING_DOWN
-            self._release()
-
-    def record(self, requests: Sequence[TransferRequest], deadline: Deadline) -> list[ErrorCode]:
-        """Pipeline one RECORD per written object on the control connection; the store's code for each."""
-        out = []
-        for n, req in enumerate(requests):
-            desc = frames.TransferDesc(
-                req.replica.grant(GrantOp.WRITE, req.key), req.write_checksum(), 0, req.replica.length
-            ).pack()
-            out.append(frames.pack_header(frames.Op.RECORD, _RECORD_REQ_BASE + n, len(desc)) + desc)
-        with self._record_lock:
-            sock = self._sock
-            if sock is None:
-                return [self.broken or ErrorCode.CONNECTION_FAILED] * len(requests)
-            try:
-                sock.settimeout(max(0.001, deadline.remaining() or 5.0))
-                sock.sendall(b"".join(out))
-                codes = []
-                for n in range(len(requests)):
-                    head = frames.recv_header(sock)
-                    if head.req_id != _RECORD_REQ_BASE + n or head.length:
-                        raise KvPoolError(ErrorCode.BAD_FRAME, "RECORD answer out of order")
-                    codes.append(as_code(head.status))
-                sock.settimeout(None)
-                return codes
-            except (OSError, KvPoolError) as exc:
-                code = exc.code if isinstance(exc, KvPoolError) else ErrorCode.CONNECTION_FAILED
-                logger.warning("rdma %s: RECORD failed: %s", self.endpoint, exc)
-                with self._lock:
-                    self._break(code, f"RECORD failed: {exc}")
-                return [code] * len(requests)
-
-    def _release(self) -> None:
-        qp, cq, sock = self._qp, self._cq, self._sock
-        self._qp = self._cq = self._sock = None
-        if qp is not None:
-            _close_quietly(qp)
-        if cq is not None:
-            _close_quietly(cq)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a RECORD exchange blocked on it
-            sock.close()  # the store releases its QP when this connection closes
 
 
 @dataclass(eq=False)

@@ -24,7 +24,8 @@ from kvpool.common.grants import Grant, GrantOp
 from kvpool.common.log import get_logger
 from kvpool.transfer.base import Replica, TransferBatch, TransferRequest, Transport
 from kvpool.transfer.rdma_batch import _Batch
-from kvpool.transfer.rdma_client import RdmaTransport, _Connection
+from kvpool.transfer.rdma_client import RdmaTransport
+from kvpool.transfer.rdma_connection import _Connection
 from kvpool.transfer.rdma_memory import SegmentMemory
 from kvpool.transfer.rdma_responder import RdmaResponder
 from kvpool.transfer.verbs import buffer_address
