@@ -26,7 +26,7 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.groups import check_group_count, read_group_count
 from kvpool.common.log import get_logger
 from kvpool.store.config import StoreConfig
-from kvpool.store.service import StoreServer, _first_mount
+from kvpool.store.service import StoreServer, _first_mount, ready_info
 
 log = get_logger(__name__)
 
@@ -97,15 +97,9 @@ def serve_groups(config: StoreConfig, groups: int, ready_file: str = "") -> int:
     for server in servers:
         _first_mount(server)
     if ready_file:
-        info = {
-            "tcp": primary.tcp_endpoint,
-            "metrics": primary.metrics_endpoint,
-            "node": primary.node,
-            "store_id": primary.store_id,
-            "shm": primary.segment.path if primary.segment else "",
-            "shm_paths": [s.segment.path for s in servers if s.segment is not None],
-            "groups": groups,
-        }
+        info = ready_info(primary)
+        info["shm_paths"] = [s.segment.path for s in servers if s.segment is not None]
+        info["groups"] = groups
         Path(ready_file).write_text(json.dumps(info))
     threads = [threading.Thread(target=s.run, name=f"store-group-{s.group}", daemon=True) for s in servers]
     for thread in threads:

@@ -575,6 +575,17 @@ def _rdma_metrics(rdma: Responder | None) -> Any:
         )
 
 
+def ready_info(store: StoreServer) -> dict[str, object]:
+    """What ``--ready-file`` holds once the store serves: its endpoints, node, id and segment file."""
+    return {
+        "tcp": store.tcp_endpoint,
+        "metrics": store.metrics_endpoint,
+        "node": store.node,
+        "store_id": store.store_id,
+        "shm": store.segment.path if store.segment else "",
+    }
+
+
 def _first_mount(store: StoreServer) -> None:
     # Ready means mounted: a client that sees this store as ready can allocate on it. If the master is
     # not reachable yet, the heartbeat loop keeps trying after the first attempts.
@@ -596,14 +607,7 @@ def serve(config: StoreConfig, ready_file: str = "") -> int:
         signal.signal(sig, lambda *_: store.stop())
     _first_mount(store)
     if ready_file:
-        info = {
-            "tcp": store.tcp_endpoint,
-            "metrics": store.metrics_endpoint,
-            "node": store.node,
-            "store_id": store.store_id,
-            "shm": store.segment.path if store.segment else "",
-        }
-        Path(ready_file).write_text(json.dumps(info))
+        Path(ready_file).write_text(json.dumps(ready_info(store)))
     store.run()
     return 0
 
