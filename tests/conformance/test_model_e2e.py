@@ -9,23 +9,18 @@ under CI).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvpool.tools.local_cluster import LocalCluster
 from tests.conformance.sglang_shim import require
+from tests.conformance.workers import run_worker
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
 WORKER = Path(__file__).with_name("model_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -38,33 +33,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-def run_worker(*args: str) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-        check=False,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, f"worker {args[0]} failed:\n{done.stderr[-3000:]}"
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
 def test_a_second_process_reuses_the_prefix_kv_exactly(cluster: LocalCluster) -> None:
-    wrote = run_worker("write", "--master", cluster.master, "--seed", "7", "--prompt-len", "256")
+    wrote = run_worker(WORKER, "write", "--master", cluster.master, "--seed", "7", "--prompt-len", "256")
     assert wrote["pages"] == 4
     assert wrote["queued"]
     assert wrote["written"]
 
-    got = run_worker("read", "--master", cluster.master, "--seed", "7", "--prompt-len", "256", "--turn-len", "40")
+    got = run_worker(
+        WORKER, "read", "--master", cluster.master, "--seed", "7", "--prompt-len", "256", "--turn-len", "40"
+    )
     assert got["hit_pages"] == 4
     assert got["fetched_pages"] == 4
     assert got["reused_tokens"] == 256

@@ -13,23 +13,19 @@ failed under CI).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvpool.tools.local_cluster import LocalCluster
 from tests.conformance.sglang_shim import require
+from tests.conformance.workers import run_worker
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
 WORKER = Path(__file__).with_name("hybrid_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
+
 TOLERANCE = 1e-4  # as tests/conformance/test_model_e2e.py
 
 
@@ -43,30 +39,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-def run_worker(*args: str) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-        check=False,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, f"worker {args[0]} failed:\n{done.stderr[-3000:]}"
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
 def test_a_second_process_continues_a_hybrid_model_from_its_kv_and_recurrent_state(cluster: LocalCluster) -> None:
-    wrote = run_worker("write", "--master", cluster.master, "--seed", "11")
+    wrote = run_worker(WORKER, "write", "--master", cluster.master, "--seed", "11")
     assert wrote["pages"] == 4
     assert wrote["written"] == [{"kv": [True, True], "mamba": [True]}] * 2
 
-    got = run_worker("read", "--master", cluster.master, "--seed", "11")
+    got = run_worker(WORKER, "read", "--master", cluster.master, "--seed", "11")
     same = got["same_prompt"]
     assert same["restorable"] == [2, 4]  # a state at each node's end
     assert same["kv_hit_pages"] == 4

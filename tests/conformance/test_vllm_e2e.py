@@ -11,8 +11,6 @@ Needs torch + transformers + vllm (skipped without them, failed under CI).
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,11 +22,12 @@ import pytest
 
 from kvpool.tools.local_cluster import LocalCluster
 from tests.conformance.sglang_shim import require
+from tests.conformance.workers import ROOT, last_json_line, run_worker, worker_env
 
 pytestmark = [pytest.mark.conformance, pytest.mark.integration]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
+
 SEED = "11"
 TIMEOUT_S = 1.5  # the connector's timeout_s in the failure case
 
@@ -43,38 +42,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-
-
-def _result(stdout: str) -> dict[str, Any]:
-    return dict(json.loads(stdout.strip().splitlines()[-1]))
-
-
-def run_worker(*args: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=180,
-        check=False,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, f"worker {args[0]} failed:\n{done.stderr[-3000:]}"
-    return _result(done.stdout)
-
-
 @pytest.fixture(scope="module")
 def reads(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Process A saves the prompt; process B reads it twice (each engine process costs seconds of
     imports): once normally, then with the stores frozen (SIGSTOP) between its lookup and its load."""
-    wrote = run_worker("write", "--master", cluster.master, "--seed", SEED, "--prompt-len", "256")
+    wrote = run_worker(WORKER, "write", "--master", cluster.master, "--seed", SEED, "--prompt-len", "256")
     assert wrote["external_tokens"] == 0
     assert wrote["blocks"] == 16
     assert wrote["layerwise"]["external_tokens"] == 0
@@ -85,7 +57,7 @@ def reads(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> di
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=worker_env(),
         cwd=ROOT,
     )
     stores = cluster.stores
@@ -107,7 +79,7 @@ def reads(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> di
             reader.kill()
             reader.wait(10)
     assert reader.returncode == 0, stderr[-3000:]
-    return _result(stdout)
+    return last_json_line(stdout)
 
 
 def test_a_second_vllm_process_loads_the_prefix_and_gets_the_same_logits(reads: dict[str, Any]) -> None:
