@@ -22,6 +22,7 @@ from typing import Any
 from kvpool.client.batching import split_batches
 from kvpool.client.call_parts import Buffer, PutConfig, _byte_view, _Counters, _is_utf8, _keyed, ptr_view
 from kvpool.client.config import ClientConfig
+from kvpool.client.device_buffers import DeviceBuffers, find_cuda
 from kvpool.client.group_router import GroupRouter, connect_master
 from kvpool.client.lease_cache import LeaseCache, LeaseRenewer
 from kvpool.client.master_client import MasterClient
@@ -97,6 +98,8 @@ class PoolClient(ReadPathMixin, WritePathMixin):
         self._scratch = threading.local()  # each thread's landing buffer of batch_get
         self._speculation = SpeculativeReads(cfg.speculative_read_bytes, clock, load_token(cfg.token_file))
         self._store_failures = StoreFailureReporter(self._report_store_failures)
+        self.device_buffers = DeviceBuffers(self._transports)
+        """CUDA buffers in batch_put_from / batch_get_into (client/device_buffers.py, decision 0023)."""
         self._closed = False
 
     @classmethod
@@ -194,6 +197,9 @@ class PoolClient(ReadPathMixin, WritePathMixin):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
+        cuda = find_cuda(buffers)
+        if cuda is not None:
+            return self.device_buffers.put(self, keys, buffers, cuda, config, timeout)
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=False) for b in buffers]
         codes = [int(ErrorCode.OK)] * len(keys)
@@ -284,6 +290,9 @@ class PoolClient(ReadPathMixin, WritePathMixin):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
+        cuda = find_cuda(buffers)
+        if cuda is not None:
+            return self.device_buffers.get_into(self, keys, buffers, cuda, timeout)
         deadline = self._deadline(timeout)
         views = [_byte_view(b, writable=True) for b in buffers]
         results, cached, hinted, got = self._lookup(keys, deadline, views)
@@ -364,6 +373,7 @@ class PoolClient(ReadPathMixin, WritePathMixin):
         values["speculative_reads"] = self._speculation.confirmed
         values["speculative_reads_discarded"] = self._speculation.discarded
         values.update({f"bytes_{name}": n for name, n in self._transports.bytes_by_transport().items()})
+        values.update(self.device_buffers.metrics())
         return values
 
     def close(self) -> None:

@@ -52,6 +52,12 @@ class LazyChecksum:
                 value = self._value
         return value
 
+    def settle(self, value: int) -> None:
+        """Take a value computed elsewhere, before anyone asked: the checksum of GPU memory, which the CPU
+        cannot read through the buffer (client/device_buffers.py)."""
+        with self._lock:
+            self._value = value
+
 
 def checksum_value(value: int | LazyChecksum) -> int:
     return value if isinstance(value, int) else value.value

@@ -251,6 +251,13 @@ class RdmaTransport(Transport):
         if view.nbytes:
             self._memory.unregister(view)
 
+    def register_device_memory(
+        self, base: int, size: int, buffer_id: int, export_dmabuf: Callable[[], int] | None
+    ) -> None:
+        """Register a GPU allocation for direct NIC<->GPU transfers (decision 0023): a dma-buf MR when
+        ``export_dmabuf`` is given, else an MR over the device pointer (nvidia-peermem). Cached per range."""
+        self._memory.register_device(base, size, buffer_id, export_dmabuf)
+
     # ---- transfers
     def submit(self, requests: Sequence[TransferRequest], deadline: Deadline) -> TransferBatch:
         return self.submit_parts(requests, None, deadline)

@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.common.log import get_logger, log_once
 
 logger = get_logger(__name__)
@@ -54,8 +55,103 @@ class GpuSupport:
 
 
 def is_cuda_buffer(buffer: object) -> bool:
-    """A torch CUDA tensor (anything with ``is_cuda`` true and a ``data_ptr``)."""
-    return getattr(buffer, "is_cuda", False) is True and callable(getattr(buffer, "data_ptr", None))
+    """A torch CUDA tensor (``is_cuda`` true and a ``data_ptr``), or anything exposing
+    ``__cuda_array_interface__`` (CuPy, Numba, ...)."""
+    if getattr(buffer, "is_cuda", False) is True and callable(getattr(buffer, "data_ptr", None)):
+        return True
+    return hasattr(buffer, "__cuda_array_interface__")
+
+
+@dataclass(frozen=True)
+class DeviceAllocation:
+    """The driver's allocation holding a device pointer, page-aligned: what one registration covers."""
+
+    base: int
+    size: int
+    buffer_id: int
+    """The driver's id of the allocation (``CU_POINTER_ATTRIBUTE_BUFFER_ID``): never reused, so a cached
+    registration of a freed and re-made allocation at the same address is recognised as stale."""
+
+
+class GpuDriver(Protocol):
+    """What the dma-buf and peermem paths ask the GPU driver (:class:`CudaDriver`; tests pass a FAKE)."""
+
+    def allocation(self, address: int) -> DeviceAllocation:
+        """The allocation holding ``address``; raises KvPoolError(INVALID_ARGUMENT) for a non-device one."""
+        ...
+
+    def export_dmabuf(self, allocation: DeviceAllocation) -> int:
+        """A new dma-buf fd over the allocation, offset 0 at ``allocation.base`` (the caller closes it)."""
+        ...
+
+
+_CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class CudaDriver:
+    """:class:`GpuDriver` over libcuda (ctypes on ``libcuda.so.1``; the CUDA context is torch's)."""
+
+    def __init__(self) -> None:
+        try:
+            self._cuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise KvPoolError(ErrorCode.NOT_SUPPORTED, f"no CUDA driver (libcuda.so.1): {exc}") from exc
+
+    def _call(self, what: str, result: int) -> None:
+        if result != 0:
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, f"{what} failed: CUresult {result}")
+
+    def allocation(self, address: int) -> DeviceAllocation:
+        base, size, buffer_id = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+        self._call(
+            "cuMemGetAddressRange",
+            self._cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)),
+        )
+        self._call(
+            "cuPointerGetAttribute(BUFFER_ID)",
+            self._cuda.cuPointerGetAttribute(
+                ctypes.byref(buffer_id), _CU_POINTER_ATTRIBUTE_BUFFER_ID, ctypes.c_uint64(address)
+            ),
+        )
+        start = base.value - base.value % _PAGE  # dma-buf export wants page-aligned ranges
+        end = -(-(base.value + size.value) // _PAGE) * _PAGE
+        return DeviceAllocation(start, end - start, buffer_id.value)
+
+    def export_dmabuf(self, allocation: DeviceAllocation) -> int:
+        fd = ctypes.c_int(-1)
+        self._call(
+            "cuMemGetHandleForAddressRange(DMA_BUF_FD)",
+            self._cuda.cuMemGetHandleForAddressRange(
+                ctypes.byref(fd),
+                ctypes.c_uint64(allocation.base),
+                ctypes.c_size_t(allocation.size),
+                _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                ctypes.c_ulonglong(0),
+            ),
+        )
+        return fd.value
+
+
+def device_pointer(buffer: Any) -> tuple[int, int]:
+    """(device address, bytes) of a C-contiguous CUDA buffer; KvPoolError(INVALID_ARGUMENT) for any other."""
+    if getattr(buffer, "is_cuda", False) is True and callable(getattr(buffer, "data_ptr", None)):
+        # torch first: its __cuda_array_interface__ raises for a tensor that requires grad
+        if not buffer.is_contiguous():
+            raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "a CUDA buffer must be contiguous")
+        return int(buffer.data_ptr()), int(buffer.numel()) * int(buffer.element_size())
+    interface = buffer.__cuda_array_interface__
+    shape = tuple(int(n) for n in interface["shape"])
+    itemsize = int(interface["typestr"][2:])
+    strides = interface.get("strides")
+    expected, stride = [], itemsize
+    for n in reversed(shape):
+        expected.append(stride)
+        stride *= n
+    if strides is not None and tuple(strides) != tuple(reversed(expected)) and stride:
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "a CUDA buffer must be C-contiguous")
+    return int(interface["data"][0]), stride
 
 
 def probe_gpu_support(

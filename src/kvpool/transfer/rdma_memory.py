@@ -5,8 +5,9 @@ buffers found by address, and the cut of one transfer into work requests at MR b
 from __future__ import annotations
 
 import bisect
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,16 +67,25 @@ class _Registration:
     addr: int
     length: int
     mrs: list[MemoryRegion]
-    view: memoryview
+    view: memoryview | None
+    """The host buffer (kept alive while registered); None for GPU memory."""
     refs: int = 1
+    iova_base: int | None = None
+    """For dma-buf MRs (whose addresses are IOVAs): the virtual address of IOVA 0; None: host addressing."""
+    buffer_id: int = 0
+    """For GPU memory: the driver's id of the allocation (never reused), so a stale registration is seen."""
 
     def close(self) -> None:
         for mr in self.mrs:
             _close_quietly(mr)
         self.mrs = []
 
-    def spans(self) -> list[tuple[int, int, int]]:
-        return [(mr.addr, mr.length, mr.lkey) for mr in self.mrs]
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """(virtual address, length, lkey, address an SGE gives for that first byte) of each MR."""
+        base = self.iova_base
+        if base is None:
+            return [(mr.addr, mr.length, mr.lkey, mr.addr) for mr in self.mrs]
+        return [(base + mr.addr, mr.length, mr.lkey, mr.addr) for mr in self.mrs]
 
 
 class _LocalMemory:
@@ -126,6 +136,54 @@ class _LocalMemory:
         reg.close()
         return True
 
+    def register_device(
+        self, base: int, size: int, buffer_id: int, export_dmabuf: Callable[[], int] | None
+    ) -> _Registration:
+        """Register a GPU allocation [base, base+size) once (cached until :meth:`close`): through a dma-buf
+        when ``export_dmabuf`` is given (it returns an fd whose offset 0 is ``base``; closed here), else by
+        ``reg_mr`` over the device pointer (nvidia-peermem). A cached registration of the same range with
+        another ``buffer_id`` belongs to a freed allocation: it is dropped and the range registered again."""
+        stale = None
+        with self._lock:
+            for i, reg in enumerate(self._regs):
+                if reg.addr == base and reg.length == size and reg.view is None:
+                    if reg.buffer_id == buffer_id:
+                        return reg
+                    stale = self._regs.pop(i)
+                    break
+        if stale is not None:
+            stale.close()
+        try:
+            if export_dmabuf is None:
+                mrs = register_chunked(self._ctx, base, size, Access.LOCAL_WRITE, self._max_mr)
+                reg = _Registration(base, size, mrs, None, buffer_id=buffer_id)
+            else:
+                reg = _Registration(base, size, self._dmabuf_mrs(export_dmabuf, size), None, 1, base, buffer_id)
+        except (VerbsError, OSError) as exc:
+            raise KvPoolError(
+                ErrorCode.TRANSFER_FAILED, f"cannot register GPU memory [{base:#x}, +{size}) for RDMA: {exc}"
+            ) from exc
+        with self._lock:
+            keys = [r.addr for r in self._regs]
+            self._regs.insert(bisect.bisect_right(keys, base), reg)
+        return reg
+
+    def _dmabuf_mrs(self, export_dmabuf: Callable[[], int], size: int) -> list[MemoryRegion]:
+        """MRs of at most ``max_mr_bytes`` over one exported dma-buf, each at IOVA == its offset."""
+        fd = export_dmabuf()
+        mrs: list[MemoryRegion] = []
+        try:
+            for start in range(0, size, self._max_mr):
+                n = min(self._max_mr, size - start)
+                mrs.append(self._ctx.reg_dmabuf_mr(fd, start, n, start, Access.LOCAL_WRITE))
+        except VerbsError:
+            for mr in mrs:
+                _close_quietly(mr)
+            raise
+        finally:
+            os.close(fd)
+        return mrs
+
     def find(self, addr: int, length: int) -> _Registration | None:
         """A registration holding all of [addr, addr+length), if any."""
         with self._lock:
@@ -158,7 +216,7 @@ class Piece:
 
 def plan_pieces(
     local_addr: int,
-    local_spans: Sequence[tuple[int, int, int]],
+    local_spans: Sequence[tuple[int, ...]],
     remote_offset: int,
     regions: Sequence[RemoteRegion],
     length: int,
@@ -166,7 +224,9 @@ def plan_pieces(
 ) -> list[Piece]:
     """Cut a transfer of ``length`` bytes at every local MR boundary, remote MR boundary and ``max_chunk``.
 
-    ``local_spans`` are the (addr, length, lkey) of the MRs holding the local range, ``regions`` the MRs of
+    ``local_spans`` are the (addr, length, lkey[, sge_addr]) of the MRs holding the local range (``sge_addr``:
+    what an SGE names the span's first byte, its IOVA for a dma-buf MR; the address itself when absent),
+    ``regions`` the MRs of
     the remote segment. Raises KvPoolError(OUT_OF_BOUNDS) when a byte is in no remote region and
     KvPoolError(INTERNAL) when a byte is in no local MR (the caller registered the buffer first).
     """
@@ -181,6 +241,7 @@ def plan_pieces(
         if region is None:
             raise KvPoolError(ErrorCode.OUT_OF_BOUNDS, f"segment offset {ro} is in no registered region")
         n = min(length - pos, span[0] + span[1] - la, region.offset + region.length - ro, max_chunk)
-        pieces.append(Piece(pos, n, la, span[2], region.addr + (ro - region.offset), region.rkey))
+        sge = la if len(span) < 4 else span[3] + (la - span[0])
+        pieces.append(Piece(pos, n, sge, span[2], region.addr + (ro - region.offset), region.rkey))
         pos += n
     return pieces

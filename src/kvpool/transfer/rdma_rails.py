@@ -122,6 +122,13 @@ class RailsTransport(Transport):
         for rail in self.rails:
             rail.register_memory(buffer)
 
+    def register_device_memory(
+        self, base: int, size: int, buffer_id: int, export_dmabuf: Callable[[], int] | None
+    ) -> None:
+        """GPU memory on every rail (each rail's device registers its own MR; decision 0023)."""
+        for rail in self.rails:
+            rail.register_device_memory(base, size, buffer_id, export_dmabuf)
+
     def unregister_memory(self, buffer: memoryview) -> None:
         for rail in self.rails:
             rail.unregister_memory(buffer)

@@ -292,6 +292,12 @@ class DeviceContext(ABC):
     @abstractmethod
     def create_cq(self, depth: int) -> CompletionQueue: ...
 
+    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, iova: int, access: Access) -> MemoryRegion:
+        """Register ``length`` bytes of a dma-buf (GPU memory its driver exported, decision 0023) from
+        ``offset``. The MR's addresses are IOVAs, not virtual addresses: its ``addr`` is ``iova`` and an SGE
+        names byte k of it as ``iova + k``. The fd may be closed once this returns (the MR holds the dma-buf)."""
+        raise VerbsError(f"{self.name}: dma-buf memory regions are not supported by this verbs layer", errno.EOPNOTSUPP)
+
     @property
     def supports_windows(self) -> bool:
         """Whether :meth:`bind_window` works here (type-2 memory windows)."""
@@ -456,6 +462,18 @@ class _PvContext(DeviceContext):
             return _PvMR(MR(self._pd, length, int(access), address=address), address, length)
         except Exception as exc:
             raise _wrap(f"register {length} bytes at {address:#x}", exc) from exc
+
+    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, iova: int, access: Access) -> MemoryRegion:
+        # pyverbs' DmaBufMR(pd, length, access, dmabuf=fd, offset=offset) calls ibv_reg_dmabuf_mr with
+        # iova = offset: another IOVA cannot be asked for through it.
+        if iova != offset:
+            raise VerbsError(f"pyverbs registers a dma-buf MR at iova == offset ({offset}), not {iova}", errno.EINVAL)
+        try:
+            from pyverbs.mr import DmaBufMR
+
+            return _PvMR(DmaBufMR(self._pd, length, int(access), dmabuf=fd, offset=offset), iova, length)
+        except Exception as exc:
+            raise _wrap(f"register {length} bytes of dma-buf fd {fd} at offset {offset}", exc) from exc
 
     def create_cq(self, depth: int) -> CompletionQueue:
         try:

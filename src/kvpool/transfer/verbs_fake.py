@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
+import os
 import threading
 import time
 from collections import deque
@@ -83,6 +85,8 @@ class FakeFabric:
         self.posted: list[WorkRequest] = []
         """Every work request posted on any QP, in order (tests count and inspect them)."""
         self.bytes_moved = 0
+        self.dmabuf_bytes = 0
+        """Bytes whose local side was a dma-buf MR (GPU memory in IOVA terms; tests prove that path with it)."""
         self._qps: dict[tuple[str, int], FakeQP] = {}
         self._next_qpn = 0x11
         self._next_key = 0x1000
@@ -221,6 +225,37 @@ class FakeContext(DeviceContext):
             self._by_rkey[mr.rkey] = mr
             return mr
 
+    def reg_dmabuf_mr(self, fd: int, offset: int, length: int, iova: int, access: Access) -> FakeDmabufMR:
+        """A dma-buf MR: the fake maps the dma-buf (any mappable fd, e.g. a memfd standing in for GPU memory)
+        and answers SGEs in IOVA terms, [iova, iova+length), as a NIC does. Local access only: a peer's fake
+        NIC addresses memory by virtual address."""
+        with self.fabric.lock:
+            self._check_open()
+            if access & (Access.REMOTE_READ | Access.REMOTE_WRITE):
+                raise VerbsError("fake NIC: dma-buf MRs are for local access only", errno.EOPNOTSUPP)
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise VerbsError(f"dma-buf fd {fd}: {exc}", errno.EBADF) from exc
+            if length <= 0 or offset < 0 or iova < 0 or offset + length > size:
+                raise VerbsError(
+                    f"cannot register {length} bytes at offset {offset} of a dma-buf of {size}", errno.EINVAL
+                )
+            if length > self.max_mr_bytes:
+                raise VerbsError(
+                    f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}", errno.EINVAL
+                )
+            faults = self.fabric.faults
+            if faults.reg_mr_failures > 0:
+                faults.reg_mr_failures -= 1
+                raise VerbsError("cannot pin memory (injected; as with a small memlock ulimit)", errno.ENOMEM)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # holds the dma-buf as the real MR does
+            mr = FakeDmabufMR(self, iova, length, access, self.fabric.new_key(), self.fabric.new_key())
+            mr.attach(mapping, offset)
+            self._by_lkey[mr.lkey] = mr
+            self._by_rkey[mr.rkey] = mr
+            return mr
+
     def forget_mr(self, mr: FakeMR) -> None:
         with self.fabric.lock:
             if mr.bound_qp is None:
@@ -297,10 +332,36 @@ class FakeMR(MemoryRegion):
     def covers(self, addr: int, length: int) -> bool:
         return not self.closed and self.addr <= addr and addr + length <= self.addr + self.length
 
+    def host_address(self, addr: int) -> int:
+        """Where the fake NIC finds byte ``addr`` of this MR in this process (its own address, for host memory)."""
+        return addr
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.ctx.forget_mr(self)
+
+
+class FakeDmabufMR(FakeMR):
+    """A fake dma-buf MR: addressed by IOVA, backed by the fake NIC's own mapping of the dma-buf."""
+
+    _mapping: mmap.mmap | None = None
+    _base = 0  # the address, in this process, of IOVA ``addr``
+
+    def attach(self, mapping: mmap.mmap, offset: int) -> None:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        self._base = ctypes.addressof(anchor) + offset
+        del anchor  # the mapping can be closed again once no ctypes object exports it
+        self._mapping = mapping
+
+    def host_address(self, addr: int) -> int:
+        return self._base + (addr - self.addr)
+
+    def close(self) -> None:
+        super().close()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
 
 
 class FakeCQ(CompletionQueue):
@@ -481,11 +542,14 @@ class FakeQP(QueuePair):
         if not peer.access & need or remote is None or not remote.access & need:
             peer.force_error()  # an access violation kills the responder's QP as well
             return WcStatus.REM_ACCESS_ERR
+        here = local.host_address(wr.local_addr)
         if wr.opcode == Opcode.RDMA_READ:
-            ctypes.memmove(wr.local_addr, wr.remote_addr, wr.length)
+            ctypes.memmove(here, wr.remote_addr, wr.length)
         else:
-            ctypes.memmove(wr.remote_addr, wr.local_addr, wr.length)
+            ctypes.memmove(wr.remote_addr, here, wr.length)
         self.ctx.fabric.bytes_moved += wr.length
+        if isinstance(local, FakeDmabufMR):
+            self.ctx.fabric.dmabuf_bytes += wr.length
         return WcStatus.SUCCESS
 
     def close(self) -> None:

@@ -47,6 +47,7 @@ from kvpool.transfer.verbs_fake import (
     MAX_MSG_BYTES,
     FakeContext,
     FakeCQ,
+    FakeDmabufMR,
     FakeFabric,
     FakeMR,
     FakeQP,
@@ -336,9 +337,12 @@ class IpcFakeQP(FakeQP):
                 mr,
             )
             return WcStatus.REM_ACCESS_ERR
-        if not _remote_copy(int(peer["pid"]), wr.local_addr, wr.remote_addr, wr.length, wr.opcode != Opcode.RDMA_READ):
+        here = local.host_address(wr.local_addr)  # an SGE of a dma-buf MR is an IOVA
+        if not _remote_copy(int(peer["pid"]), here, wr.remote_addr, wr.length, wr.opcode != Opcode.RDMA_READ):
             return WcStatus.RETRY_EXC_ERR  # the peer process is gone
         self.ctx.fabric.bytes_moved += wr.length
+        if isinstance(local, FakeDmabufMR):
+            self.ctx.fabric.dmabuf_bytes += wr.length
         IpcFakeFabric.total_bytes_moved += wr.length
         by_device = IpcFakeFabric.bytes_by_device
         by_device[self.ctx.name] = by_device.get(self.ctx.name, 0) + wr.length
