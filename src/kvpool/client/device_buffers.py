@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
@@ -48,6 +48,10 @@ from kvpool.transfer.rdma_gpu import (
 )
 from kvpool.transfer.registry import TransportSet
 from kvpool.transfer.verbs import buffer_address
+
+if TYPE_CHECKING:  # imported when first used: a client without CUDA buffers does not load the RDMA client
+    from kvpool.transfer.rdma_client import RdmaTransport
+    from kvpool.transfer.rdma_rails import RailsTransport
 
 logger = get_logger(__name__)
 
@@ -175,9 +179,12 @@ class DeviceBuffers:
             self._ops = TorchDeviceOps()
         return self._ops
 
-    def _rdma(self) -> Transport | None:
+    def _rdma(self) -> RdmaTransport | RailsTransport | None:
+        from kvpool.transfer.rdma_client import RdmaTransport
+        from kvpool.transfer.rdma_rails import RailsTransport
+
         rdma = self._transports.transport("rdma")
-        return rdma if rdma is not None and hasattr(rdma, "register_device_memory") else None
+        return rdma if isinstance(rdma, RdmaTransport | RailsTransport) else None
 
     def _path(self, buffers: Sequence[Buffer], cuda: dict[int, tuple[int, int]]) -> GpuPath:
         if self._rdma() is None:
@@ -196,21 +203,14 @@ class DeviceBuffers:
         """Register the allocations of the call's CUDA buffers with every RDMA rail (cached there); False,
         said once, when that failed: the call is staged."""
         rdma = self._rdma()
-        if self._driver is None:
-            self._driver = CudaDriver()
-        driver = self._driver
+        assert rdma is not None  # _path chose a direct path
         try:
+            if self._driver is None:
+                self._driver = CudaDriver()
             for address, _ in cuda.values():
-                allocation = driver.allocation(address)
-                export: Callable[[], int] | None = None
-                if path is GpuPath.DMABUF:
-
-                    def export(allocation: Any = allocation) -> int:
-                        return driver.export_dmabuf(allocation)
-
-                rdma.register_device_memory(  # type: ignore[union-attr]
-                    allocation.base, allocation.size, allocation.buffer_id, export
-                )
+                allocation = self._driver.allocation(address)
+                export = partial(self._driver.export_dmabuf, allocation) if path is GpuPath.DMABUF else None
+                rdma.register_device_memory(allocation.base, allocation.size, allocation.buffer_id, export)
         except KvPoolError as exc:
             log_once(
                 logger,
@@ -416,17 +416,26 @@ class _RawCudaArray:
 
 
 class TorchDeviceOps:
-    """:class:`DeviceMemoryOps` with torch: copies on the current CUDA stream (so after the kernels queued
-    there), pinned host memory, checksums through a pinned scratch buffer."""
+    """:class:`DeviceMemoryOps` with torch: copies on the current CUDA stream of the buffer's device (so after the
+    kernels queued there), pinned host memory, checksums through a pinned scratch buffer."""
 
     def __init__(self) -> None:
         import torch
 
         self._torch = torch
         self._scratch: Any = None
+        self._devices: set[Any] = set()  # devices with copies started since the last synchronize
+        self._devices_lock = threading.Lock()
+        self._hash_lock = threading.Lock()  # one pinned scratch buffer for every thread's checksums
 
     def _device(self, address: int, nbytes: int) -> Any:
-        return self._torch.as_tensor(_RawCudaArray(address, nbytes), device="cuda")
+        """The device bytes as a torch tensor on the device that holds them, sharing their memory."""
+        tensor = self._torch.as_tensor(_RawCudaArray(address, nbytes))
+        if not tensor.is_cuda or tensor.data_ptr() != address:
+            raise KvPoolError(ErrorCode.INTERNAL, f"torch did not wrap device memory at {address:#x} in place")
+        with self._devices_lock:
+            self._devices.add(tensor.device)
+        return tensor
 
     def host_buffer(self, nbytes: int) -> memoryview:
         tensor = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
@@ -434,23 +443,30 @@ class TorchDeviceOps:
         return memoryview(array)
 
     def to_host(self, address: int, host: memoryview) -> None:
-        target = self._torch.frombuffer(host, dtype=self._torch.uint8)
-        target.copy_(self._device(address, len(host)), non_blocking=True)
+        device = self._device(address, len(host))
+        with self._torch.cuda.device(device.device):
+            self._torch.frombuffer(host, dtype=self._torch.uint8).copy_(device, non_blocking=True)
 
     def from_host(self, host: memoryview, address: int) -> None:
-        self._device(address, len(host)).copy_(self._torch.frombuffer(host, dtype=self._torch.uint8), non_blocking=True)
+        device = self._device(address, len(host))
+        with self._torch.cuda.device(device.device):
+            device.copy_(self._torch.frombuffer(host, dtype=self._torch.uint8), non_blocking=True)
 
     def synchronize(self) -> None:
-        self._torch.cuda.current_stream().synchronize()
+        with self._devices_lock:
+            devices, self._devices = self._devices or {self._torch.device("cuda")}, set()
+        for device in devices:
+            self._torch.cuda.current_stream(device).synchronize()
 
     def checksum(self, address: int, nbytes: int) -> int:
-        if self._scratch is None:
-            self._scratch = self._torch.empty(_HASH_CHUNK, dtype=self._torch.uint8, pin_memory=True)
         hasher = xxhash.xxh3_64()
-        device = self._device(address, nbytes) if nbytes else None
-        for start in range(0, nbytes, _HASH_CHUNK):
-            n = min(_HASH_CHUNK, nbytes - start)
-            self._scratch[:n].copy_(device[start : start + n])  # type: ignore[index]  # synchronous
-            chunk: Any = self._scratch[:n].numpy()
-            hasher.update(memoryview(chunk))
+        with self._hash_lock:
+            if nbytes and self._scratch is None:
+                self._scratch = self._torch.empty(_HASH_CHUNK, dtype=self._torch.uint8, pin_memory=True)
+            device: Any = self._device(address, nbytes) if nbytes else None
+            for start in range(0, nbytes, _HASH_CHUNK):
+                n = min(_HASH_CHUNK, nbytes - start)
+                self._scratch[:n].copy_(device[start : start + n])  # synchronous: the bytes are there after
+                chunk: Any = self._scratch[:n].numpy()
+                hasher.update(memoryview(chunk))
         return int(hasher.intdigest())
