@@ -14,7 +14,7 @@ from kvpool.client import PoolClient
 from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.tools.local_cluster import LocalCluster
 from kvpool.transfer.rdma_client import RdmaTransport
-from kvpool.transfer.rdma_gpu import GpuSupport
+from kvpool.transfer.rdma_gpu import DeviceAllocation, GpuSupport
 from kvpool.transfer.verbs_fake import FakeFabric
 from tests.support.cluster import FAST_MASTER, client
 from tests.support.fake_cuda import PAGE, FakeCudaTensor, FakeDeviceOps, FakeGpuDriver
@@ -198,3 +198,42 @@ def test_objects_rdma_does_not_serve_reach_the_gpu_through_a_host_bounce(master:
     assert metrics["gpu_bytes_dmabuf"] == 0
     assert metrics["bytes_rdma"] == 0
     assert (ops.copies_to_host, ops.copies_from_host) == (1, 1)
+
+
+class _NoDmabufDriver(FakeGpuDriver):
+    """A FAKE driver that finds allocations but cannot export them (a driver without dma-buf support)."""
+
+    def export_dmabuf(self, allocation: DeviceAllocation) -> int:
+        self.exports += 1
+        raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "cuMemGetHandleForAddressRange failed: CUresult 801")
+
+
+def test_a_dmabuf_path_that_fails_is_staged_once_then_peermem_is_used(master: str) -> None:
+    driver = _NoDmabufDriver()
+    pool, _ = _pool(master, driver, GpuSupport(dmabuf=True, peermem=True))
+    try:
+        with pool:
+            first = _filled(driver)[:1]
+            assert pool.batch_put_from(["no-dmabuf-0"], first) == [0]  # staged: the export failed
+            second = _filled(driver)[:1]
+            assert pool.batch_put_from(["no-dmabuf-1"], second) == [0]  # peermem, no second export
+            assert pool.batch_get(["no-dmabuf-0", "no-dmabuf-1"]) == [first[0].read(), second[0].read()]
+            metrics = pool.metrics()
+    finally:
+        driver.close()
+    assert driver.exports == 1
+    assert metrics["gpu_bytes_staging"] == SIZES[0]
+    assert metrics["gpu_bytes_peermem"] == SIZES[0]
+
+
+def test_register_buffer_registers_a_cuda_buffers_allocation_up_front(master: str, gpu: FakeGpuDriver) -> None:
+    pool, _ = _pool(master, gpu, GpuSupport(dmabuf=True, peermem=False))
+    with pool:
+        tensor = _filled(gpu)[0]
+        assert pool.register_buffer(tensor) == 0
+        assert gpu.exports == 1
+        assert pool.put("registered", tensor) == 0
+        assert pool.unregister_buffer(tensor) == 0
+        assert gpu.exports == 1  # the registration was reused
+        assert pool.get("registered") == tensor.read()
+        assert pool.metrics()["gpu_bytes_dmabuf"] == SIZES[0]

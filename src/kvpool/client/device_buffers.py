@@ -212,15 +212,29 @@ class DeviceBuffers:
                 export = partial(self._driver.export_dmabuf, allocation) if path is GpuPath.DMABUF else None
                 rdma.register_device_memory(allocation.base, allocation.size, allocation.buffer_id, export)
         except KvPoolError as exc:
+            # The host offered the path but it does not work (a driver that exports no dma-buf, a NIC that
+            # refuses the registration): later calls take the next path instead of failing again each time.
+            support = self._support or GpuSupport(False, False)
+            why = f"{path.value} registration failed: {exc}"
+            self._support = GpuSupport(False, support.peermem and path is GpuPath.DMABUF, why)
             log_once(
                 logger,
                 logging.WARNING,
-                REGISTRATION_LOG_KEY,
-                "cannot register GPU memory for RDMA (%s): CUDA buffers are staged through host memory",
+                f"{REGISTRATION_LOG_KEY}.{path.value}",
+                "cannot register GPU memory for RDMA (%s): this call is staged through host memory",
                 exc,
             )
             return False
         return True
+
+    def register(self, buffer: Buffer) -> None:
+        """``register_buffer`` of a CUDA buffer: its allocation registered with RDMA now rather than on first
+        use (nothing to do where it would be staged)."""
+        cuda = find_cuda([buffer])
+        if cuda is not None:
+            path = self._path([buffer], cuda)
+            if path is not GpuPath.STAGING:
+                self._register(cuda, path)
 
     def _worker(
         self, client: Any, buffers: Sequence[Buffer], cuda: dict[int, tuple[int, int]], path: GpuPath

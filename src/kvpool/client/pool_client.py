@@ -353,11 +353,17 @@ class PoolClient(ReadPathMixin, WritePathMixin):
         return int(resp.removed)
 
     def register_buffer(self, buffer: Buffer) -> int:
-        """Register host memory for zero-copy transfers (an RDMA memory region where RDMA is used)."""
+        """Register host memory for zero-copy transfers (an RDMA memory region where RDMA is used); a CUDA buffer's
+        allocation is registered once, until the client closes (decision 0023)."""
+        if find_cuda([buffer]) is not None:
+            self.device_buffers.register(buffer)
+            return 0
         self._transports.register_memory(_byte_view(buffer, writable=False))
         return 0
 
     def unregister_buffer(self, buffer: Buffer) -> int:
+        if find_cuda([buffer]) is not None:
+            return 0  # GPU registrations are cached per allocation until the client closes
         self._transports.unregister_memory(_byte_view(buffer, writable=False))
         return 0
 
