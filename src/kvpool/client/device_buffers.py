@@ -145,8 +145,11 @@ class DeviceBuffers:
     ) -> list[int]:
         """``client.batch_put_from`` with the CUDA buffers at the positions of ``cuda``."""
         path = self._path(buffers, cuda)
+        if path is not GpuPath.STAGING:
+            # The kernels that produced the tensors are done before the NIC reads them; a CUDA runtime call also
+            # makes the device's context current on this thread, which the driver calls of _register need.
+            self.ops.synchronize()
         if path is not GpuPath.STAGING and self._register(cuda, path):
-            self.ops.synchronize()  # the kernels that produced the tensors are done before the NIC reads them
             worker, views, device_set = self._worker(client, buffers, cuda, path)
             codes: list[int] = worker.batch_put_from(keys, views, config, timeout)
             self._count(path, device_set.direct_bytes, device_set.bounced_bytes)
@@ -163,8 +166,9 @@ class DeviceBuffers:
     ) -> list[int]:
         """``client.batch_get_into`` with the CUDA buffers at the positions of ``cuda``."""
         path = self._path(buffers, cuda)
+        if path is not GpuPath.STAGING:
+            self.ops.synchronize()  # no queued kernel still reads what the NIC is about to overwrite (and see put)
         if path is not GpuPath.STAGING and self._register(cuda, path):
-            self.ops.synchronize()  # no queued kernel still reads what the NIC is about to overwrite
             worker, views, device_set = self._worker(client, buffers, cuda, path)
             codes: list[int] = worker.batch_get_into(keys, views, timeout)
             self.ops.synchronize()  # the bounced objects' copies to the GPU have landed
@@ -234,6 +238,7 @@ class DeviceBuffers:
         if cuda is not None:
             path = self._path([buffer], cuda)
             if path is not GpuPath.STAGING:
+                self.ops.synchronize()  # the device's context current on this thread (see put)
                 self._register(cuda, path)
 
     def _worker(
