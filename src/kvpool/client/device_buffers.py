@@ -91,6 +91,8 @@ class DeviceMemoryOps(Protocol):
 def find_cuda(buffers: Sequence[Buffer]) -> dict[int, tuple[int, int]] | None:
     """The CUDA buffers among ``buffers``: position -> (device address, bytes); None when there are none
     (the common case, decided by type for bytes, bytearray and memoryview)."""
+    if _HOST_TYPES.issuperset(map(type, buffers)):
+        return None
     found: dict[int, tuple[int, int]] | None = None
     for position, buffer in enumerate(buffers):
         if type(buffer) in _HOST_TYPES or not is_cuda_buffer(buffer):

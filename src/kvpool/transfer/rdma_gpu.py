@@ -57,8 +57,9 @@ class GpuSupport:
 def is_cuda_buffer(buffer: object) -> bool:
     """A torch CUDA tensor (``is_cuda`` true and a ``data_ptr``), or anything exposing
     ``__cuda_array_interface__`` (CuPy, Numba, ...)."""
-    if getattr(buffer, "is_cuda", False) is True and callable(getattr(buffer, "data_ptr", None)):
-        return True
+    is_cuda = getattr(buffer, "is_cuda", None)
+    if is_cuda is not None:  # torch says itself (asking a CPU tensor for the interface raises, slowly)
+        return is_cuda is True and callable(getattr(buffer, "data_ptr", None))
     return hasattr(buffer, "__cuda_array_interface__")
 
 
