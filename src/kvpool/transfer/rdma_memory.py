@@ -80,11 +80,12 @@ class _Registration:
             _close_quietly(mr)
         self.mrs = []
 
-    def spans(self) -> list[tuple[int, int, int, int]]:
-        """(virtual address, length, lkey, address an SGE gives for that first byte) of each MR."""
+    def spans(self) -> list[tuple[int, ...]]:
+        """(address, length, lkey) of each MR; for dma-buf MRs (virtual address, length, lkey, the IOVA an SGE
+        gives that first byte)."""
         base = self.iova_base
         if base is None:
-            return [(mr.addr, mr.length, mr.lkey, mr.addr) for mr in self.mrs]
+            return [(mr.addr, mr.length, mr.lkey) for mr in self.mrs]
         return [(base + mr.addr, mr.length, mr.lkey, mr.addr) for mr in self.mrs]
 
 
@@ -226,8 +227,7 @@ def plan_pieces(
 
     ``local_spans`` are the (addr, length, lkey[, sge_addr]) of the MRs holding the local range (``sge_addr``:
     what an SGE names the span's first byte, its IOVA for a dma-buf MR; the address itself when absent),
-    ``regions`` the MRs of
-    the remote segment. Raises KvPoolError(OUT_OF_BOUNDS) when a byte is in no remote region and
+    ``regions`` the MRs of the remote segment. Raises KvPoolError(OUT_OF_BOUNDS) when a byte is in no remote region and
     KvPoolError(INTERNAL) when a byte is in no local MR (the caller registered the buffer first).
     """
     pieces: list[Piece] = []
