@@ -15,7 +15,9 @@ from kvpool.common.errors import ErrorCode, KvPoolError
 from kvpool.tools.local_cluster import LocalCluster
 from kvpool.transfer.rdma_client import RdmaTransport
 from kvpool.transfer.rdma_gpu import DeviceAllocation, GpuSupport
+from kvpool.transfer.rdma_rails import RailsTransport
 from kvpool.transfer.verbs_fake import FakeFabric
+from kvpool.transfer.verbs_fake_ipc import IpcFakeFabric
 from tests.support.cluster import FAST_MASTER, client
 from tests.support.fake_cuda import PAGE, FakeCudaTensor, FakeDeviceOps, FakeGpuDriver
 
@@ -237,3 +239,26 @@ def test_register_buffer_registers_a_cuda_buffers_allocation_up_front(master: st
         assert gpu.exports == 1  # the registration was reused
         assert pool.get("registered") == tensor.read()
         assert pool.metrics()["gpu_bytes_dmabuf"] == SIZES[0]
+
+
+def test_two_nics_each_register_the_gpu_memory_and_stripe_a_large_object(
+    master: str, gpu: FakeGpuDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPOOL_FAKE_VERBS_DEVICES", "fake_gpu_rail_0,fake_gpu_rail_1")
+    pool, _ = _pool(master, gpu, GpuSupport(dmabuf=True, peermem=False))
+    with pool:
+        rails = pool._transports.transport("rdma")
+        assert isinstance(rails, RailsTransport)
+        before = {d: IpcFakeFabric.bytes_by_device.get(d, 0) for d in ("fake_gpu_rail_0", "fake_gpu_rail_1")}
+        source = gpu.tensor(4 << 20)
+        source.fill(os.urandom(4 << 20))
+        target = gpu.tensor(4 << 20)
+        assert pool.put("striped", source) == 0
+        assert pool.get_into("striped", target) == 4 << 20
+        assert target.read() == source.read()
+        fabrics = {id(f): f for f in (rail.nic_fabric() for rail in rails.rails)}
+        dmabuf_bytes = sum(f.dmabuf_bytes for f in fabrics.values() if isinstance(f, FakeFabric))
+    grown = {d: IpcFakeFabric.bytes_by_device.get(d, 0) - n for d, n in before.items()}
+    assert grown == {"fake_gpu_rail_0": 4 << 20, "fake_gpu_rail_1": 4 << 20}  # half of each transfer per rail
+    assert dmabuf_bytes == 8 << 20
+    assert gpu.exports == 2 * 2  # each allocation, once per rail
