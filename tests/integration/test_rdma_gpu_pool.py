@@ -151,7 +151,7 @@ def test_over_tcp_cuda_buffers_are_staged_through_host_memory(master: str, gpu: 
 
 
 @pytest.mark.parametrize("support", [GpuSupport(True, False), GpuSupport(False, False, "fake")], ids=str)
-def test_a_cuda_buffer_too_small_is_refused_and_nothing_lands_past_it(
+def test_a_cuda_buffer_too_small_strided_or_past_its_allocation_is_refused(
     master: str, gpu: FakeGpuDriver, support: GpuSupport
 ) -> None:
     pool, _ = _pool(master, gpu, support)
@@ -178,6 +178,19 @@ def test_a_cuda_buffer_too_small_is_refused_and_nothing_lands_past_it(
             pool.batch_get_into([key], [Strided(allocation, 0, 2048)])
         assert refused.value.code == ErrorCode.INVALID_ARGUMENT
         assert guard.read() == b"\xee" * (4 * PAGE)
+
+        class PastItsAllocation(FakeCudaTensor):
+            @property
+            def __cuda_array_interface__(self) -> dict[str, object]:
+                return {"shape": (8192,), "typestr": "|u1", "data": (self.address, False), "version": 3}
+
+        lying = PastItsAllocation(allocation, 4 * PAGE - 4096, 4096)  # claims 8192 bytes, 4096 of them outside
+        for call in (lambda: pool.batch_get_into([key], [lying]), lambda: pool.put(f"{key}-lying", lying)):
+            with pytest.raises(KvPoolError) as past:
+                call()
+            assert past.value.code == ErrorCode.INVALID_ARGUMENT
+        assert guard.read() == b"\xee" * (4 * PAGE)
+        assert pool.get(f"{key}-lying") is None
 
 
 def test_objects_rdma_does_not_serve_reach_the_gpu_through_a_host_bounce(master: str, gpu: FakeGpuDriver) -> None:

@@ -38,6 +38,7 @@ from kvpool.common.log import get_logger, log_once
 from kvpool.transfer.base import TransferRequest, Transport
 from kvpool.transfer.rdma_gpu import (
     CudaDriver,
+    DeviceAllocation,
     GpuDriver,
     GpuPath,
     GpuSupport,
@@ -146,12 +147,12 @@ class DeviceBuffers:
         timeout: float | None,
     ) -> list[int]:
         """``client.batch_put_from`` with the CUDA buffers at the positions of ``cuda``."""
+        # The kernels that produced the tensors are done before the NIC reads them; a CUDA runtime call also
+        # makes the device's context current on this thread, which the driver calls below need.
+        self.ops.synchronize()
+        allocations = self._allocations(cuda)
         path = self._path(buffers, cuda)
-        if path is not GpuPath.STAGING:
-            # The kernels that produced the tensors are done before the NIC reads them; a CUDA runtime call also
-            # makes the device's context current on this thread, which the driver calls of _register need.
-            self.ops.synchronize()
-        if path is not GpuPath.STAGING and self._register(cuda, path):
+        if path is not GpuPath.STAGING and self._register(allocations, path):
             worker, views, device_set = self._worker(client, buffers, cuda, path)
             codes: list[int] = worker.batch_put_from(keys, views, config, timeout)
             self._count(path, device_set.direct_bytes, device_set.bounced_bytes)
@@ -167,10 +168,10 @@ class DeviceBuffers:
         timeout: float | None,
     ) -> list[int]:
         """``client.batch_get_into`` with the CUDA buffers at the positions of ``cuda``."""
+        self.ops.synchronize()  # no queued kernel still reads what is about to be overwritten (and see put)
+        allocations = self._allocations(cuda)
         path = self._path(buffers, cuda)
-        if path is not GpuPath.STAGING:
-            self.ops.synchronize()  # no queued kernel still reads what the NIC is about to overwrite (and see put)
-        if path is not GpuPath.STAGING and self._register(cuda, path):
+        if path is not GpuPath.STAGING and self._register(allocations, path):
             worker, views, device_set = self._worker(client, buffers, cuda, path)
             codes: list[int] = worker.batch_get_into(keys, views, timeout)
             self.ops.synchronize()  # the bounced objects' copies to the GPU have landed
@@ -205,17 +206,34 @@ class DeviceBuffers:
             self._support = probe_gpu_support()
         return choose_gpu_path(buffers[next(iter(cuda))], self._support)
 
-    def _register(self, cuda: dict[int, tuple[int, int]], path: GpuPath) -> bool:
+    def _allocations(self, cuda: dict[int, tuple[int, int]]) -> list[DeviceAllocation]:
+        """The driver's allocations holding the call's CUDA buffers, each once; KvPoolError(INVALID_ARGUMENT)
+        for a buffer that is no device memory or that claims bytes past its allocation (no copy and no MR may
+        reach beyond it)."""
+        if self._driver is None:
+            self._driver = CudaDriver()
+        found: dict[int, DeviceAllocation] = {}
+        for address, nbytes in cuda.values():
+            allocation = self._driver.allocation(address)
+            if address + nbytes > allocation.base + allocation.size:
+                raise KvPoolError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"a CUDA buffer of {nbytes} bytes at {address:#x} runs past its allocation "
+                    f"[{allocation.base:#x}, +{allocation.size})",
+                )
+            found[allocation.base] = allocation
+        return list(found.values())
+
+    def _register(self, allocations: list[DeviceAllocation], path: GpuPath) -> bool:
         """Register the allocations of the call's CUDA buffers with every RDMA rail (cached there); False,
         said once, when that failed: the call is staged."""
         rdma = self._rdma()
         assert rdma is not None  # _path chose a direct path
+        driver = self._driver
+        assert driver is not None  # _allocations loaded it
         try:
-            if self._driver is None:
-                self._driver = CudaDriver()
-            for address, _ in cuda.values():
-                allocation = self._driver.allocation(address)
-                export = partial(self._driver.export_dmabuf, allocation) if path is GpuPath.DMABUF else None
+            for allocation in allocations:
+                export = partial(driver.export_dmabuf, allocation) if path is GpuPath.DMABUF else None
                 rdma.register_device_memory(allocation.base, allocation.size, allocation.buffer_id, export)
         except KvPoolError as exc:
             # The host offered the path but it does not work (a driver that exports no dma-buf, a NIC that
@@ -238,10 +256,11 @@ class DeviceBuffers:
         use (nothing to do where it would be staged)."""
         cuda = find_cuda([buffer])
         if cuda is not None:
+            self.ops.synchronize()  # the device's context current on this thread (see put)
+            allocations = self._allocations(cuda)
             path = self._path([buffer], cuda)
             if path is not GpuPath.STAGING:
-                self.ops.synchronize()  # the device's context current on this thread (see put)
-                self._register(cuda, path)
+                self._register(allocations, path)
 
     def _worker(
         self, client: Any, buffers: Sequence[Buffer], cuda: dict[int, tuple[int, int]], path: GpuPath
