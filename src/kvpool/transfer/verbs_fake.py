@@ -7,6 +7,8 @@ reconnect - must be exercised on every test run. It simulates what that logic de
 
 * devices with a ``max_mr_size``, a port (LID, GID, MTU) and a send-queue depth limit;
 * MRs with distinct lkey/rkey, access flags, and length limits (registration refused beyond ``max_mr_bytes``);
+* dma-buf MRs (``reg_dmabuf_mr``, GPU memory) addressed by IOVA: an SGE outside [iova, iova+length) is refused,
+  one inside reaches the fake's own mapping of the dma-buf fd (decision 0023);
 * RC QPs with the RESET -> INIT -> RTR -> RTS state machine (:data:`kvpool.transfer.verbs.LEGAL_TRANSITIONS`);
   posting on a QP that is not RTS is refused, posting on an ERR QP completes with WR_FLUSH_ERR;
 * one-sided RDMA READ/WRITE by ``memmove`` between registered regions of two "nodes" (two contexts on the
