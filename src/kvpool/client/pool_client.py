@@ -20,7 +20,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.client.batching import split_batches
-from kvpool.client.call_parts import Buffer, PutConfig, _byte_view, _Counters, _is_utf8, _keyed, ptr_view
+from kvpool.client.call_parts import (
+    Buffer,
+    PutConfig,
+    _byte_view,
+    _Counters,
+    _is_utf8,
+    _keyed,
+    _replica,
+    ptr_view,
+)
 from kvpool.client.config import ClientConfig
 from kvpool.client.device_buffers import DeviceBuffers, find_cuda
 from kvpool.client.group_router import GroupRouter, connect_master
@@ -42,7 +51,7 @@ from kvpool.common.groups import group_of
 from kvpool.common.log import get_logger, log_once
 from kvpool.proto import frames
 from kvpool.proto import master_pb2 as pb
-from kvpool.transfer.base import TransferRequest, replica_of
+from kvpool.transfer.base import TransferRequest
 from kvpool.transfer.registry import TransportSet
 
 __all__ = ["Buffer", "PoolClient", "PutConfig", "ptr_view"]
@@ -101,6 +110,7 @@ class PoolClient(ReadPathMixin, WritePathMixin):
         self.device_buffers = DeviceBuffers(self._transports)
         """CUDA buffers in batch_put_from / batch_get_into (client/device_buffers.py, decision 0023)."""
         self._closed = False
+        self._default_put_config: pb.PutConfig | None = None  # built on the first put (_put_config_proto)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> PoolClient:
@@ -208,7 +218,7 @@ class PoolClient(ReadPathMixin, WritePathMixin):
             keys,
             client_id=self.client_id,
             sizes=[len(v) for v in views],
-            config=(config or PutConfig()).to_proto(self.config.replica_num, self.node),
+            config=self._put_config_proto(config),
         )
         try:
             started = self._start_puts(request, deadline)
@@ -227,13 +237,13 @@ class PoolClient(ReadPathMixin, WritePathMixin):
         sums = [LazyChecksum(v) for v in views]
         transfers: list[tuple[int, TransferRequest]] = []
         for i, result in enumerate(started.results):
-            code = as_code(result.code)
-            if code != ErrorCode.OK:
+            if result.code:
+                code = as_code(result.code)
                 codes[i] = 0 if code in _PUT_OK else int(code)
                 continue
             key_bytes = keys[i].encode()
             for desc in result.replicas:
-                transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, replica_of(desc), views[i], sums[i])))
+                transfers.append((i, TransferRequest(GrantOp.WRITE, key_bytes, _replica(desc), views[i], sums[i])))
         written = self._write_all(transfers, deadline)
         failpoint(CLIENT_PUT_BEFORE_END)  # chaos tests: a writer dying between the transfers and PutEnd
         self._finish_puts(keys, started.results, written, sums, codes, deadline)
@@ -244,6 +254,14 @@ class PoolClient(ReadPathMixin, WritePathMixin):
             put_bytes=sum(len(v) for v, c in zip(views, codes, strict=True) if c == 0),
         )
         return codes
+
+    def _put_config_proto(self, config: PutConfig | None) -> pb.PutConfig:
+        """The request's placement options; the default ones built once per client (every put sends them)."""
+        if config is not None:
+            return config.to_proto(self.config.replica_num, self.node)
+        if self._default_put_config is None:
+            self._default_put_config = PutConfig().to_proto(self.config.replica_num, self.node)
+        return self._default_put_config
 
     # --- reads ---------------------------------------------------------------------------------
 

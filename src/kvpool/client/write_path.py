@@ -159,7 +159,7 @@ class WritePathMixin:
                     finish,
                 )
                 for i, code in zip(done, resp.codes, strict=True):
-                    codes[i] = 0 if as_code(code) in _PUT_OK else int(code)
+                    codes[i] = 0 if not code or as_code(code) in _PUT_OK else int(code)
             except KvPoolError as exc:
                 for i in done:
                     codes[i] = int(exc.code)

@@ -202,16 +202,22 @@ class DataOpsMixin:
                     conn.stats.error(code)
                     dests.append(scratch[: desc.part_length])
                     continue
-                dest = self._begin_landing(seg, desc)
+                start = desc.grant.offset + desc.part_offset
+                dest = seg.view[start : start + desc.part_length]
                 landing.append((desc, dest))
                 dests.append(dest)
+            # What the entries overwrite is dropped before any byte lands; one inventory call for the frame.
+            self._inventory.begin_writes([_object_of(desc) for desc, _ in landing])
             reader.read_into_many(dests)
         finally:
             for desc, dest in landing:
                 dest.release()
                 self.limits.release(conn.client, desc.part_length)
-        for desc, _ in landing:
-            self._landed(conn, desc)
+        if landing:
+            self._inventory.record_parts(
+                [(*_object_of(desc), desc.part_offset, desc.part_length) for desc, _ in landing]
+            )
+            conn.stats.bytes_written += sum([desc.part_length for desc, _ in landing])
         table = vector_codes(len(descs))
         _hold(conn, HEADER.pack(MAGIC, Op.WRITEV, 0, 0, req_id, table.size) + table.pack(*codes))
 
@@ -331,3 +337,9 @@ class DataOpsMixin:
     def _reply(conn: _Conn, op: int, req_id: int, code: ErrorCode) -> None:
         """A bare reply (no payload): held, to leave with the next ones (``_flush``)."""
         _hold(conn, HEADER.pack(MAGIC, op, 0, int(code), req_id, 0))
+
+
+def _object_of(desc: TransferDesc) -> tuple[int, int, int, bytes, int]:
+    """(segment_id, offset, length, key, checksum) of the object a WRITE part belongs to: the inventory's key."""
+    g = desc.grant
+    return g.segment_id, g.offset, g.length, g.key, desc.checksum

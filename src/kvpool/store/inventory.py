@@ -211,6 +211,27 @@ class Inventory:
             self._expire_partials()
             return completed
 
+    def begin_writes(self, parts: list[tuple[int, int, int, bytes, int]]) -> None:
+        """``begin_write`` of each (segment_id, offset, length, key, checksum), under one lock: the entries
+        of one WRITEV frame."""
+        with self._lock:
+            for segment_id, offset, length, key, checksum in parts:
+                self._claim(segment_id, offset, length, key, checksum)
+            self._expire_partials()
+
+    def record_parts(self, parts: list[tuple[int, int, int, bytes, int, int, int]]) -> None:
+        """``record_part`` of each (segment_id, offset, length, key, checksum, part_offset, part_length),
+        under one lock: the entries of one WRITEV frame, every one of them inside its object."""
+        for _, _, length, _, _, part_offset, part_length in parts:
+            if part_offset < 0 or part_length < 0 or part_offset + part_length > length:
+                raise ValueError(f"part [{part_offset}, +{part_length}) outside object of {length} bytes")
+        with self._lock:
+            for segment_id, offset, length, key, checksum, part_offset, part_length in parts:
+                claim = self._claim(segment_id, offset, length, key, checksum)
+                if claim.entry is None and claim.add_interval(part_offset, part_offset + part_length):
+                    self._commit(segment_id, claim)
+            self._expire_partials()
+
     def _claim(self, segment_id: int, offset: int, length: int, key: bytes, checksum: int) -> _Claim:
         """The claim of this object, created (dropping everything it overlaps) if it is new."""
         claims = self._segments.get(segment_id)

@@ -276,28 +276,34 @@ class TcpTransport(Transport):
 
     def _split(self, index: int, req: TransferRequest, stripe: bool = True) -> list[_Part] | ErrorCode:
         """The parts of one request (``stripe``: a value over ``stripe_bytes`` in near-equal parts), or the
-        code of a request that cannot be sent."""
+        code of a request that cannot be sent. Runs once per page of a batch: a value that goes whole
+        (most of them) becomes its one part without the striping arithmetic."""
         replica = req.replica
         length = replica.length
-        try:
-            view = req.buffer if req.buffer.format == "B" and req.buffer.ndim == 1 else req.buffer.cast("B")
-        except TypeError:
-            return ErrorCode.INVALID_ARGUMENT  # not C-contiguous
-        if req.op == GrantOp.READ:
+        view = req.buffer
+        if view.format != "B" or view.ndim != 1:
+            try:
+                view = view.cast("B")
+            except TypeError:
+                return ErrorCode.INVALID_ARGUMENT  # not C-contiguous
+        reading = req.op == GrantOp.READ
+        if reading:
             if view.readonly:
                 return ErrorCode.INVALID_ARGUMENT
             if len(view) < length:
                 return ErrorCode.BUFFER_TOO_SMALL
-            op = Op.READ
-        else:
-            if len(view) != length:
-                return ErrorCode.INVALID_ARGUMENT
-            op = Op.WRITE
+        elif len(view) != length:
+            return ErrorCode.INVALID_ARGUMENT
         if len(req.key) > MAX_KEY_BYTES:
             return ErrorCode.KEY_TOO_LONG
-        sizes = _near_equal_parts(length, self.stripe_bytes) if stripe else [length]
-        check = _ReadCheck(req, len(sizes)) if req.verify and op == Op.READ else None
-        flags = FLAG_REVALIDATE if req.revalidate and op == Op.READ else 0
+        op = Op.READ if reading else Op.WRITE
+        flags = FLAG_REVALIDATE if reading and req.revalidate else 0
+        if not stripe or length <= self.stripe_bytes:
+            check = _ReadCheck(req, 1) if reading and req.verify else None
+            whole = view if len(view) == length else view[:length]
+            return [_Part(index, op, whole, replica, req.key, req.checksum, 0, check, flags)]
+        sizes = _near_equal_parts(length, self.stripe_bytes)
+        check = _ReadCheck(req, len(sizes)) if reading and req.verify else None
         parts, off = [], 0
         for n in sizes:
             parts.append(_Part(index, op, view[off : off + n], replica, req.key, req.checksum, off, check, flags))

@@ -541,9 +541,14 @@ class _Lane:
         table = vector_codes(len(group))
         if length < table.size:
             raise _Broken(ErrorCode.BAD_FRAME, f"{op.name} of {len(group)} answered with {length} bytes")
-        codes = [ErrorCode.OK if c == 0 else as_code(c) for c in table.unpack(reader.read(table.size))]
-        dests = [p.view for p, c in zip(group, codes, strict=True) if c == ErrorCode.OK] if op == Op.READV else []
-        if length != table.size + sum(len(d) for d in dests):
+        raw = table.unpack(reader.read(table.size))
+        if any(raw):
+            codes = [ErrorCode.OK if c == 0 else as_code(c) for c in raw]
+            dests = [p.view for p, c in zip(group, codes, strict=True) if c == ErrorCode.OK] if op == Op.READV else []
+        else:  # every entry answered OK (the common case: no per-entry conversion)
+            codes = [ErrorCode.OK] * len(group)
+            dests = [p.view for p in group] if op == Op.READV else []
+        if length != table.size + sum([len(d) for d in dests]):
             raise _Broken(ErrorCode.BAD_FRAME, f"{op.name} answered with {length} bytes, not what its codes say")
         reader.read_into_many(dests)
         return codes

@@ -321,3 +321,24 @@ def test_find_by_key_sees_only_committed_untouched_objects_on_the_given_segments
     assert inv.drop(SEG, 200)
     assert inv.find(b"k", {SEG}) is None
     assert inv._by_key == {}  # nothing left behind for keys with no entry
+
+
+def test_the_batched_calls_of_a_writev_frame_match_the_one_part_calls() -> None:
+    """begin_writes/record_parts (one lock per WRITEV frame) leave what begin_write/record_part per entry
+    leave: overlapped entries dropped, whole objects committed, an unfinished part still pending."""
+    one, batched = Inventory(), Inventory()
+    for inv in (one, batched):
+        write_whole(inv, 0, 100, b"old")  # overwritten below
+        write_whole(inv, 1000, 100, b"kept")
+    objects = [(SEG, 50, 100, b"a", 1), (SEG, 200, 64, b"b", 2), (SEG, 300, 64, b"c", 3)]
+    parts = [(*objects[0], 0, 100), (*objects[1], 0, 64), (*objects[2], 0, 32)]  # c: half of it
+    for (seg, off, length, key, csum), (*_, part_off, part_len) in zip(objects, parts, strict=True):
+        one.begin_write(seg, off, length, key, csum)
+        one.record_part(seg, off, length, key, csum, part_off, part_len)
+    batched.begin_writes(objects)
+    batched.record_parts(parts)
+    assert batched.entries(SEG) == one.entries(SEG)
+    assert [e.key for e in batched.entries(SEG)] == [b"a", b"b", b"kept"]
+    assert batched.pending() == one.pending() == 1
+    with pytest.raises(ValueError, match="outside object"):
+        batched.record_parts([(SEG, 400, 10, b"d", 4, 5, 10)])  # past the object's end
