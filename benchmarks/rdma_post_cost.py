@@ -1,9 +1,11 @@
-"""Posting cost of the RDMA client (decision 0021): client CPU microseconds per work request, with the FAKE
-NIC's checks and copies taken out, for a HiCache-like batch (128 pages of 64 KiB), posted one work request
-at a time and as chained lists, interleaved round by round so machine load hits both alike; and, where
-Debian's pyverbs imports, what building a pyverbs SendWR costs against refilling a reused one.
+"""Posting cost of the RDMA client (decisions 0021, 0027): client CPU microseconds per work request, with the
+FAKE NIC's checks and copies taken out, for a HiCache-like batch (128 pages of 64 KiB), posted three ways,
+interleaved round by round so machine load hits them alike: one work request at a time and as chained lists
+from Python (the FAKE NIC's Python posting), and through the compiled verbs layer (kvpool.transfer._verbs:
+the chain built in C and posted through ibv_post_send into the fake provider; skipped where not built). Where
+Debian's pyverbs imports, also what building a pyverbs SendWR costs against refilling a reused one.
 
-    PYTHONPATH=src python benchmarks/rdma_post_cost.py [--rounds 5] [--json]
+    PYTHONPATH=src:. python benchmarks/rdma_post_cost.py [--rounds 5] [--batches 20] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvpool.transfer.base import Replica, TransferRequest
 from kvpool.transfer.rdma import RdmaResponder, RdmaTransport
 from kvpool.transfer.verbs import Opcode, WorkRequest
 from kvpool.transfer.verbs_fake import FakeFabric, FakeVerbs
+from kvpool.transfer.verbs_native import native_built
 
 PAGE = 64 << 10
 PAGES = 128
@@ -29,17 +32,18 @@ SEG_ID = 0xB0B
 FAR_FUTURE_MS = 4_000_000_000_000
 
 
-def _post_us(chained: bool, batches: int) -> float:
+def _post_us(chained: bool, batches: int, native: bool = False) -> float:
     """post_us_per_wr of a fresh transport moving ``batches`` batches of 128 x 64 KiB READs."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from tests.unit.transfer.test_rdma_fake import ControlServer, _Segment
+    from tests.support.rdma_rig import ControlServer, _Segment
 
     fabric = FakeFabric()
     segment = _Segment(PAGES * PAGE)
     secret = new_secret()
-    responder = RdmaResponder(FakeVerbs(fabric, devices=("fake_store",)), {SEG_ID: segment}, {SEG_ID: secret})
+    store_verbs = FakeVerbs(fabric, devices=("fake_store",), native=native)
+    responder = RdmaResponder(store_verbs, {SEG_ID: segment}, {SEG_ID: secret})
     server = ControlServer(responder)
-    transport = RdmaTransport(FakeVerbs(fabric, devices=("fake_client",)), send_queue_depth=PAGES)
+    transport = RdmaTransport(FakeVerbs(fabric, devices=("fake_client",), native=native), send_queue_depth=PAGES)
     transport.note_store_info(server.endpoint, {"rdma": responder.advertisement()})
     buf = bytearray(PAGES * PAGE)
     view = memoryview(buf)
@@ -102,13 +106,20 @@ def main() -> None:
     args = parser.parse_args()
     one: list[float] = []
     chained: list[float] = []
+    native: list[float] = []
     for _ in range(args.rounds):
         one.append(_post_us(False, args.batches))
         chained.append(_post_us(True, args.batches))
+        if native_built():
+            native.append(_post_us(True, args.batches, native=True))
     out: dict[str, Any] = {
         "one_by_one_post_us_per_wr": statistics.median(one),
         "chained_post_us_per_wr": statistics.median(chained),
         "ratio_chained_to_one_by_one": statistics.median(c / o for c, o in zip(chained, one, strict=True)),
+        "native_post_us_per_wr": statistics.median(native) if native else None,
+        "ratio_native_to_chained": (
+            statistics.median(n / c for n, c in zip(native, chained, strict=True)) if native else None
+        ),
         "rounds": args.rounds,
         "pyverbs": _pyverbs_us(),
     }

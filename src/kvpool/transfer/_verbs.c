@@ -41,7 +41,7 @@ static PyObject *raise_errno(int err, const char *what) {
     if (err <= 0) {
         err = EIO;
     }
-    PyObject *args = Py_BuildValue("(is)", err, what);
+    PyObject *args = Py_BuildValue("(iN)", err, PyUnicode_FromFormat("%s: %s", what, strerror(err)));
     if (args != NULL) {
         PyErr_SetObject(PyExc_OSError, args);
         Py_DECREF(args);
