@@ -19,7 +19,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvpool.common import envs
 from kvpool.common.log import get_logger
@@ -70,6 +70,11 @@ def native_built() -> bool:
 def native_fake_default() -> bool:
     """Whether a FAKE NIC posts through the extension's fake provider by default."""
     return _verbs is not None and bool(envs.KVPOOL_NATIVE_VERBS.get())
+
+
+def native_fake_work_requests() -> int:
+    """Work requests this process posted through the compiled layer's fake provider so far."""
+    return _NativeFakePosting.work_requests_total
 
 
 def _error(what: str, exc: OSError) -> VerbsError:
@@ -339,6 +344,8 @@ class _NativeFakePosting(FakeQP):
     which the FAKE NIC takes the recorded requests and executes them - timed as the NIC's share."""
 
     cq: NativeFakeCQ
+    work_requests_total: ClassVar[int] = 0
+    """Work requests this process posted through the fake provider (tests prove a run used this path)."""
 
     def __init__(self, ctx: FakeContext, cq: NativeFakeCQ, max_send_wr: int) -> None:
         self.native_handle = 0
@@ -403,6 +410,7 @@ class _NativeFakePosting(FakeQP):
                 for wr_id, op, laddr, n, lkey, raddr, rkey in _PACK.iter_unpack(packed)
             ]
             self.ctx.fabric.posted.extend(wrs)
+            _NativeFakePosting.work_requests_total += len(wrs)
             for wr in wrs:
                 self._run(wr)
         finally:
