@@ -22,7 +22,7 @@ from kvpool.transfer.rdma_batch import _Chunk
 from kvpool.transfer.rdma_memory import _close_quietly
 from kvpool.transfer.rdma_windows import ClientWindows
 from kvpool.transfer.rdma_wire import RemoteRegion
-from kvpool.transfer.verbs import CompletionQueue, QueuePair, VerbsError, WcStatus, WorkRequest
+from kvpool.transfer.verbs import Completion, CompletionQueue, QueuePair, VerbsError, WcStatus, WorkRequest
 
 logger = get_logger(__name__)
 
@@ -214,6 +214,8 @@ class _Connection:
                 self._release()
 
     def _post(self) -> None:
+        if self._head >= len(self._pending) or self.broken is not None:
+            return  # nothing to post: no posting time to count
         started = time.thread_time()
         try:
             self._post_window()
@@ -271,14 +273,25 @@ class _Connection:
         return stop - start, None, False
 
     def _poll(self) -> None:
+        """Reap the completions there are (up to a send queue's worth): the next window can then be as deep as
+        the send queue, which halves the posting calls against reaping one poll batch at a time."""
         cq = self._cq
         assert cq is not None
+        completions: list[Completion] = []
         try:
-            completions = cq.poll(_POLL_BATCH)
+            while len(completions) < self._depth:
+                polled = cq.poll(_POLL_BATCH)
+                completions.extend(polled)
+                if len(polled) < _POLL_BATCH:
+                    break
         except VerbsError as exc:
             self._break(ErrorCode.TRANSFER_FAILED, f"poll: {exc}")
+            self._dispatch(completions)
             self._fail_inflight(ErrorCode.TRANSFER_FAILED)
             return
+        self._dispatch(completions)
+
+    def _dispatch(self, completions: list[Completion]) -> None:
         for wc in completions:
             chunk = self._inflight.pop(wc.wr_id)
             if chunk is None:
