@@ -494,16 +494,22 @@ static PyObject *post_chunks(PyObject *self, PyObject *const *args, Py_ssize_t n
     int expired = 0;
     PyObject *result = NULL;
     for (; built < n; built++) {
-        PyObject *chunk = PyList_GET_ITEM(chunks, start + built);
+        if (start + built >= PyList_GET_SIZE(chunks)) { /* an attribute's code shortened the list */
+            PyErr_SetString(PyExc_ValueError, "post_chunks: the list changed while it was read");
+            goto done;
+        }
+        PyObject *chunk = Py_NewRef(PyList_GET_ITEM(chunks, start + built));
         uint64_t head[2], f[5]; /* (expiry_ms, opcode); (local_addr, length, lkey, remote_addr, rkey) */
-        if (read_fields(&chunk_slots, chunk, chunk_names, 2, head) < 0) {
+        int unreadable = read_fields(&chunk_slots, chunk, chunk_names, 2, head) < 0;
+        PyObject *piece = unreadable || (head[0] && (long long)head[0] <= now_ms) ? NULL : PyObject_GetAttr(chunk, s_piece);
+        Py_DECREF(chunk);
+        if (unreadable) {
             goto done;
         }
         if (head[0] && (long long)head[0] <= now_ms) {
             expired = 1;
             break;
         }
-        PyObject *piece = PyObject_GetAttr(chunk, s_piece);
         if (piece == NULL) {
             goto done;
         }
@@ -766,6 +772,9 @@ static PyObject *fake_set_state(PyObject *self, PyObject *args) {
         return NULL;
     }
     struct fake_qp *qp = as_ptr(handle);
+    if (qp == NULL) {
+        return PyErr_Occurred() ? NULL : raise_errno(EBADF, "fake_set_state");
+    }
     qp->base.state = (enum ibv_qp_state)state;
     qp->refusals += refusals;
     Py_RETURN_NONE;
@@ -779,6 +788,9 @@ static PyObject *fake_take(PyObject *self, PyObject *args) {
         return NULL;
     }
     struct fake_qp *qp = as_ptr(handle);
+    if (qp == NULL) {
+        return PyErr_Occurred() ? NULL : raise_errno(EBADF, "fake_take");
+    }
     PyObject *out =
         PyBytes_FromStringAndSize((const char *)qp->ring, (Py_ssize_t)(qp->recorded * WR_FIELDS * sizeof(uint64_t)));
     qp->recorded = 0;
@@ -799,6 +811,9 @@ static PyObject *fake_complete(PyObject *self, PyObject *const *args, Py_ssize_t
     unsigned long byte_len = PyLong_AsUnsignedLong(args[4]);
     if (PyErr_Occurred()) {
         return NULL;
+    }
+    if (cq == NULL) {
+        return raise_errno(EBADF, "fake_complete");
     }
     if (cq->tail == cq->capacity) {
         size_t capacity = cq->capacity ? cq->capacity * 2 : 256;

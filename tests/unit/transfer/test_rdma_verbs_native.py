@@ -250,3 +250,20 @@ def test_selection_falls_back_to_pyverbs_without_a_device(monkeypatch: pytest.Mo
 
 def test_the_python_fallback_is_the_base_class_entry_point() -> None:
     assert FakeQP.post_chunks is QueuePair.post_chunks
+
+
+def test_a_null_handle_is_an_error_never_a_crash() -> None:
+    from kvpool.transfer import _verbs
+
+    for call, what in (
+        (lambda: _verbs.fake_set_state(0, int(QpState.RTS), 0), "fake_set_state"),
+        (lambda: _verbs.fake_take(0), "fake_take"),
+        (lambda: _verbs.fake_complete(0, 0, 1, 0, 0), "fake_complete"),
+        (lambda: _verbs.poll(0, 4), "ibv_poll_cq"),
+    ):
+        with pytest.raises(OSError, match=what):
+            call()
+    with pytest.raises(ValueError, match="handle"):
+        _verbs.post_chunks(0, [], 0, 0, 1, NOW_MS)
+    with pytest.raises(ValueError, match="7 uint64"):
+        _verbs.post_list(1, b"\0" * 8)
