@@ -638,8 +638,9 @@ static int fake_post_send(struct ibv_qp *base, struct ibv_send_wr *wr, struct ib
         } else if (qp->refusals > 0) {
             qp->refusals--;
             err = ENOMEM;
-        } else if (wr->num_sge != 1 || (wr->send_flags & IBV_SEND_SIGNALED) == 0) {
-            err = EINVAL;
+        } else if (wr->num_sge != 1 || (wr->send_flags & IBV_SEND_SIGNALED) == 0 ||
+                   (wr->opcode != IBV_WR_RDMA_READ && wr->opcode != IBV_WR_RDMA_WRITE)) {
+            err = EINVAL; /* the fake NIC does one-sided READ and WRITE only */
         }
         if (err) {
             *bad_wr = wr;

@@ -184,6 +184,12 @@ def test_bad_chunks_raise_clear_errors_and_post_nothing() -> None:
         p.qp.post_chunks([Plain(huge)], 0, 1, 1, NOW_MS)
     with pytest.raises(ValueError, match="range"):
         p.qp.post_chunks(list(p.chunks), 0, PAGES + 1, 1, NOW_MS)
+    send = Plain(p.chunks[0].piece)
+    send.opcode = 2  # type: ignore[assignment]  # IBV_WR_SEND: not a one-sided operation
+    posted, refusal, _ = p.qp.post_chunks([send], 0, 1, 1, NOW_MS)
+    assert posted == 0
+    assert refusal is not None
+    assert refusal.errno == errno.EINVAL
     assert len(p.fabric.posted) == 2
 
 
