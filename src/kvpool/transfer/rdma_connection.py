@@ -232,7 +232,7 @@ class _Connection:
         assert qp is not None
         pending = self._pending
         while self._head < len(pending) and self.broken is None:
-            room = self._depth - len(self._inflight)
+            room = self._depth - self._inflight.count
             if room <= 0:
                 break
             start, first = self._head, self._next_wr + 1

@@ -285,7 +285,9 @@ class QueuePair(ABC):
             )
             wrs.append(wr)
         posted = self.post_send_list(wrs) if wrs else 0
-        refusal = self.last_post_error if posted < len(wrs) else None
+        refusal = None
+        if posted < len(wrs):
+            refusal = self.last_post_error or VerbsError(f"posted {posted} of {len(wrs)} work requests", errno.EIO)
         return posted, refusal, expired and refusal is None
 
     @abstractmethod
