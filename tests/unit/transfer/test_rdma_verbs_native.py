@@ -13,6 +13,7 @@ import ctypes
 import errno
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -273,3 +274,26 @@ def test_a_null_handle_is_an_error_never_a_crash() -> None:
         _verbs.post_chunks(0, [], 0, 0, 1, NOW_MS)
     with pytest.raises(ValueError, match="7 uint64"):
         _verbs.post_list(1, b"\0" * 8)
+
+
+def test_kvpool_verbs_selects_the_layer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvpool.transfer.factory import default_verbs
+    from kvpool.transfer.verbs_fake_ipc import IpcFakeVerbs
+
+    monkeypatch.setenv("KVPOOL_FAKE_VERBS_DIR", str(tmp_path))
+    monkeypatch.setenv("KVPOOL_VERBS", "fake")
+    fake = default_verbs()
+    assert isinstance(fake, IpcFakeVerbs)
+    assert fake.native
+    monkeypatch.setenv("KVPOOL_NATIVE_VERBS", "0")
+    python_fake = default_verbs()
+    assert isinstance(python_fake, IpcFakeVerbs)
+    assert not python_fake.native
+    monkeypatch.setenv("KVPOOL_VERBS", "pyverbs")
+    assert default_verbs() is None
+    monkeypatch.setenv("KVPOOL_VERBS", "native")  # asked for, but this host lists no device: said once, pyverbs
+    with caplog.at_level("WARNING"):
+        assert default_verbs() is None
+    assert "KVPOOL_VERBS=native" in caplog.text
