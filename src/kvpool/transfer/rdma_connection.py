@@ -214,8 +214,8 @@ class _Connection:
                 self._release()
 
     def _post(self) -> None:
-        if self._head >= len(self._pending) or self.broken is not None:
-            return  # nothing to post: no posting time to count
+        if self._head >= len(self._pending) or self.broken is not None or self._inflight.count >= self._depth:
+            return  # nothing to post, or no room yet: no posting time to count
         started = time.thread_time()
         try:
             self._post_window()
