@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv build-deps demo test test-deps proto lint typecheck bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py src/kvpool/transfer/_lanes.c src/kvpool/master/_index.c
+$(VENV)/.installed: pyproject.toml setup.py src/kvpool/transfer/_lanes.c src/kvpool/master/_index.c src/kvpool/transfer/_verbs.c
 	bash scripts/install-build-deps.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -9,6 +9,7 @@ set -euo pipefail
 need=()
 command -v gcc >/dev/null || need+=(gcc libc6-dev)
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
+[ -f /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
 python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_path("include") + "/Python.h"))' \
   || need+=(python3-dev)
 python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)

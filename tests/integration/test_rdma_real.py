@@ -1,4 +1,5 @@
-"""Opt-in: real RDMA READ/WRITE through the real verbs layer (pyverbs) on a real device, in loopback.
+"""Opt-in: real RDMA READ/WRITE through the real verbs layers - pyverbs, and the compiled layer
+(kvpool.transfer.verbs_native over _verbs.c, decision 0027) - on a real device, in loopback.
 
 Runs only when ``KVPOOL_TEST_RDMA_DEVICE`` names a device (``mlx5_0``, or ``mlx5_0:PORT:GID_INDEX`` for RoCE,
 e.g. ``mlx5_0:1:3``); otherwise it is skipped with that reason. The store side (RdmaResponder over a
@@ -24,6 +25,7 @@ from kvpool.common.grants import GrantOp, new_secret, sign
 from kvpool.proto import frames
 from kvpool.proto.frames import Op
 from kvpool.transfer.base import Replica, TransferRequest
+from kvpool.transfer.verbs import PyverbsVerbs, Verbs
 
 pytestmark = [
     pytest.mark.integration,
@@ -77,12 +79,18 @@ def _serve(listener: socket.socket, responder: object) -> None:
             conn.close()
 
 
-@pytest.fixture
-def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
-    from kvpool.transfer.rdma import RdmaResponder, RdmaTransport
-    from kvpool.transfer.verbs import PyverbsVerbs, discover_devices
+def _verbs(kind: str) -> Verbs:
+    """The real verbs layer ``kind`` names; the test fails (never skips) when the device was asked for and the
+    layer cannot load."""
+    if kind == "native":
+        from kvpool.transfer.verbs_native import NativeVerbs, native_built
 
-    device, port, gid_index = _device()
+        if not native_built():
+            pytest.fail(
+                "KVPOOL_TEST_RDMA_DEVICE is set but kvpool.transfer._verbs is not built: install libibverbs-dev "
+                "and rebuild (python setup.py build_ext --inplace)"
+            )
+        return NativeVerbs()
     try:
         import pyverbs  # noqa: F401
     except ImportError as exc:
@@ -90,13 +98,23 @@ def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
             f"KVPOOL_TEST_RDMA_DEVICE is set but pyverbs is not importable ({exc}); expose Debian's "
             "python3-pyverbs to the venv as docs/rdma.md shows"
         )
-    devices = discover_devices()
+    return PyverbsVerbs()
+
+
+@pytest.fixture(params=["pyverbs", "native"])
+def loopback(request: pytest.FixtureRequest) -> Iterator[tuple[object, _Segment, bytes, str]]:
+    from kvpool.transfer.rdma import RdmaResponder, RdmaTransport
+    from kvpool.transfer.verbs import discover_devices
+
+    device, port, gid_index = _device()
+    verbs = _verbs(request.param)
+    devices = discover_devices(verbs)
     if device not in devices:
         pytest.fail(f"KVPOOL_TEST_RDMA_DEVICE={device} but the devices here are {devices or 'none'}")
     segment = _Segment(32 * MiB)
     secret = new_secret()
     responder = RdmaResponder(
-        PyverbsVerbs(),
+        verbs,
         {SEG_ID: segment},
         {SEG_ID: secret},
         device=device,
@@ -107,7 +125,7 @@ def loopback() -> Iterator[tuple[object, _Segment, bytes, str]]:
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
     threading.Thread(target=_serve, args=(listener, responder), daemon=True).start()
-    transport = RdmaTransport(PyverbsVerbs(), device, 4 * MiB, port=port, gid_index=gid_index)
+    transport = RdmaTransport(verbs, device, 4 * MiB, port=port, gid_index=gid_index)
     transport.note_store_info(endpoint, {"rdma": responder.advertisement()})
     try:
         yield transport, segment, secret, endpoint

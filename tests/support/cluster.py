@@ -66,7 +66,12 @@ def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, t
         monkeypatch.setenv("KVPOOL_FAKE_VERBS_DIR", str(tmp_path / "fake-nic"))
     else:
         monkeypatch.delenv("KVPOOL_VERBS", raising=False)
+    from kvpool.transfer.verbs_native import native_fake_default, native_fake_work_requests
+
     before = IpcFakeFabric.total_bytes_moved
+    native_before = native_fake_work_requests()
     yield request.param
     if request.param == "rdma":
         assert IpcFakeFabric.total_bytes_moved > before, "the rdma run moved no byte over the fake NIC"
+        if native_fake_default():  # where built, the work requests went through the compiled verbs layer
+            assert native_fake_work_requests() > native_before, "the rdma run did not post through _verbs"

@@ -62,7 +62,14 @@ KVPOOL_DISABLE_SHM = EnvVar("KVPOOL_DISABLE_SHM", False, "Never use the same-nod
 KVPOOL_VERBS = EnvVar(
     "KVPOOL_VERBS",
     "",
-    "Verbs provider: empty = pyverbs (real NICs); fake = the cross-process FAKE NIC for tests (in every process).",
+    "Verbs provider: empty = the compiled layer where it is built and finds a device, else pyverbs; native = the "
+    "compiled layer (kvpool.transfer._verbs); pyverbs; fake = the cross-process FAKE NIC for tests (in every process).",
+)
+KVPOOL_NATIVE_VERBS = EnvVar(
+    "KVPOOL_NATIVE_VERBS",
+    True,
+    "Post RDMA work requests through the compiled verbs layer (kvpool.transfer._verbs) where it is built; "
+    "0 = the Python path (pyverbs, or the FAKE NIC's Python posting).",
 )
 KVPOOL_FAKE_VERBS_DIR = EnvVar(
     "KVPOOL_FAKE_VERBS_DIR", "", "State directory of the FAKE NIC (default /dev/shm/kvpool-fake-verbs-UID)."
@@ -105,6 +112,7 @@ ALL: list[EnvVar[Any]] = [
     KVPOOL_RDMA_DEVICE,
     KVPOOL_FAKE_VERBS_DEVICES,
     KVPOOL_TEST_CUDA,
+    KVPOOL_NATIVE_VERBS,
 ]
 
 

@@ -42,6 +42,8 @@ class Row:
     p99_us: float
     ratio_to_ceiling: float = 0.0
     transport: str = "tcp"
+    post_us_per_wr: float | None = None
+    """rdma: posting CPU per work request posted while this row was measured (its puts, gets and read-backs)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +129,27 @@ def _verify(client: object, keys: list[str], sources: list[memoryview], checks: 
         raise RuntimeError(f"{len(bad)} of {len(keys)} values read back wrong, e.g. {bad[0]}")
 
 
+def _posting(transport: object) -> tuple[float, int, float] | None:
+    """(posting CPU seconds, work requests posted, fake NIC seconds) of an RDMA transport so far; None otherwise."""
+    if isinstance(transport, RailsTransport):
+        rails = list(transport.rails)
+    elif isinstance(transport, RdmaTransport):
+        rails = [transport]
+    else:
+        return None
+    totals = [rail.posting_totals() for rail in rails]
+    fabrics = {id(f): f for f in (rail.nic_fabric() for rail in rails) if f is not None}
+    nic = sum(float(getattr(f, "nic_seconds", 0.0)) for f in fabrics.values())
+    return sum(s for s, _ in totals), sum(n for _, n in totals), nic
+
+
+def _post_us_between(before: tuple[float, int, float] | None, after: tuple[float, int, float] | None) -> float | None:
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    cpu = (after[0] - before[0]) - (after[2] - before[2])
+    return max(0.0, cpu) / (after[1] - before[1]) * 1e6
+
+
 def _median_row(rows: list[Row]) -> Row:
     best = sorted(rows, key=lambda r: r.gbps)[len(rows) // 2]
     return Row(
@@ -156,10 +179,13 @@ def measure(
     )
     with PoolClient(config=config) as client:
         _measure(client, "get", 1 << 20, 8, 0.2)  # warm connections and the segment
+        rdma_transport = client._transports.transport("rdma")  # noqa: SLF001 - the benchmark reads its posting cost
         for size in sizes:
             for batch in sorted({1, max(1, BATCH_BYTES // size)}):
                 for op in ("put", "get"):
+                    posting = _posting(rdma_transport)
                     row = _median_row([_measure(client, op, size, batch, seconds) for _ in range(runs)])
+                    row.post_us_per_wr = _post_us_between(posting, _posting(rdma_transport))
                     row.ratio_to_ceiling = row.gbps / ceilings[size] if ceilings[size] else 0.0
                     row.transport = transport
                     rows.append(row)

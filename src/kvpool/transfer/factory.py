@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvpool.common import envs
 from kvpool.common.errors import KvPoolError
 from kvpool.common.log import get_logger, log_once
 from kvpool.transfer.base import Transport
@@ -28,14 +29,16 @@ logger = get_logger(__name__)
 
 
 def default_verbs() -> Verbs | None:
-    """The verbs provider this process uses: the cross-process FAKE NIC when ``KVPOOL_VERBS=fake``, else None
-    (pyverbs, real devices)."""
+    """The verbs provider this process uses: the cross-process FAKE NIC when ``KVPOOL_VERBS=fake``; the compiled
+    layer for ``native``, and for an empty value where it is built and finds a device; else None (pyverbs)."""
     from kvpool.transfer.verbs_fake_ipc import IpcFakeVerbs, fake_requested
 
     if fake_requested():
         logger.info("RDMA through the FAKE NIC (KVPOOL_VERBS=fake): for tests only")
         return IpcFakeVerbs()
-    return None
+    from kvpool.transfer.verbs_native import native_verbs
+
+    return native_verbs(envs.KVPOOL_VERBS.get().strip().lower())
 
 
 def select_devices(spec: str, available: list[str]) -> list[str]:

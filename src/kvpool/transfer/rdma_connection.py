@@ -10,7 +10,6 @@ import contextlib
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from kvpool.common.clock import SYSTEM_CLOCK, Clock, Deadline
@@ -23,7 +22,7 @@ from kvpool.transfer.rdma_batch import _Chunk
 from kvpool.transfer.rdma_memory import _close_quietly
 from kvpool.transfer.rdma_windows import ClientWindows
 from kvpool.transfer.rdma_wire import RemoteRegion
-from kvpool.transfer.verbs import CompletionQueue, QueuePair, VerbsError, WcStatus, WorkRequest
+from kvpool.transfer.verbs import Completion, CompletionQueue, QueuePair, VerbsError, WcStatus, WorkRequest
 
 logger = get_logger(__name__)
 
@@ -44,6 +43,60 @@ def completion_code(status: WcStatus) -> ErrorCode:
     if status in _TIMEOUT_STATUSES:
         return ErrorCode.TIMEOUT
     return ErrorCode.TRANSFER_FAILED
+
+
+class _InFlight:
+    """The chunks on the NIC by wr_id. A connection's wr_ids are consecutive, so this is a list from ``base``
+    on, extended a window at a time (decision 0027: no per-work-request insert on the posting path);
+    completions, which an RC QP delivers in posting order, empty it from the front."""
+
+    __slots__ = ("base", "chunks", "count", "front")
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        """The wr_id of ``chunks[0]``; the next window starts at ``base + len(chunks)``."""
+        self.chunks: list[_Chunk | None] = []
+        self.count = 0
+        self.front = 0  # chunks before this index are all completed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, chunks: list[_Chunk]) -> None:
+        self.chunks.extend(chunks)
+        self.count += len(chunks)
+
+    def pop(self, wr_id: int) -> _Chunk | None:
+        index = wr_id - self.base
+        if not 0 <= index < len(self.chunks):
+            return None
+        chunk = self.chunks[index]
+        if chunk is None:
+            return None
+        self.chunks[index] = None
+        self.count -= 1
+        if self.count == 0:
+            self.base += len(self.chunks)
+            self.chunks, self.front = [], 0
+        elif index == self.front:
+            self._trim()
+        return chunk
+
+    def _trim(self) -> None:
+        chunks, front = self.chunks, self.front
+        while front < len(chunks) and chunks[front] is None:
+            front += 1
+        if front >= 1024 and 2 * front >= len(chunks):
+            del chunks[:front]
+            self.base += front
+            front = 0
+        self.front = front
+
+    def take_all(self) -> list[_Chunk]:
+        out = [c for c in self.chunks if c is not None]
+        self.base += len(self.chunks)
+        self.chunks, self.count, self.front = [], 0, 0
+        return out
 
 
 # ---------------------------------------------------------------------- connections
@@ -79,9 +132,11 @@ class _Connection:
         """Post each window of work requests as one chained list (False: one ``post_send`` each)."""
         self._lock = threading.Lock()
         self._record_lock = threading.Lock()  # one RECORD exchange at a time on the control connection
-        self._pending: deque[_Chunk] = deque()
-        self._inflight: dict[int, _Chunk] = {}
+        self._pending: list[_Chunk] = []
+        """Chunks queued; those before ``_head`` are posted or failed already (the list is cut when empty)."""
+        self._head = 0
         self._next_wr = 0
+        self._inflight = _InFlight(self._next_wr + 1)
         self.broken: ErrorCode | None = None
         self.retired = False
         self.work_requests = 0
@@ -140,6 +195,9 @@ class _Connection:
                 for chunk in chunks:
                     chunk.batch.finish(chunk, self.broken or ErrorCode.CONNECTION_FAILED)
                 return
+            if self._head:
+                del self._pending[: self._head]
+                self._head = 0
             self._pending.extend(chunks)
 
     def progress(self) -> None:
@@ -152,10 +210,12 @@ class _Connection:
                 self._poll()
             if self.broken is not None and not self._inflight:
                 self._release()
-            elif self.retired and not self._inflight and not self._pending:
+            elif self.retired and not self._inflight and self._head >= len(self._pending):
                 self._release()
 
     def _post(self) -> None:
+        if self._head >= len(self._pending) or self.broken is not None or self._inflight.count >= self._depth:
+            return  # nothing to post, or no room yet: no posting time to count
         started = time.thread_time()
         try:
             self._post_window()
@@ -163,60 +223,77 @@ class _Connection:
             self.post_seconds += time.thread_time() - started
 
     def _post_window(self) -> None:
-        """Post what the send queue has room for: one chained list (``post_send_list``), or one work request
-        at a time where ``chained`` is off (the figure decision 0021 compares with)."""
+        """Post what the send queue has room for: one list through ``post_chunks`` (built in C by the compiled
+        layer, decision 0027), or one work request at a time where ``chained`` is off (the figure decision 0021
+        compares with). The in-flight map is filled a window at a time; a chunk whose grant expired is failed
+        alone, never posted: its window may be gone (or go while the request is on the NIC), and a request that
+        hits a dead window kills the QP with everyone's work on it (decision 0024)."""
         qp = self._qp
         assert qp is not None
-        if not self._pending or self.broken is not None:
-            return
-        now_ms = self._clock.wall_ms()
-        ready: list[_Chunk] = []
-        wrs: list[WorkRequest] = []
-        while self._pending and len(self._inflight) + len(ready) < self._depth:
-            chunk = self._pending.popleft()
-            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
-                # Its window may be gone (or go while the request is on the NIC), and a request that hits a
-                # dead window kills the QP with everyone's work on it: fail just this one (decision 0024).
-                chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
-                continue
-            p = chunk.piece
-            self._next_wr += 1
-            wrs.append(WorkRequest(self._next_wr, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey))
-            ready.append(chunk)
-        if not wrs:
-            return
-        if self.chained:
-            posted = qp.post_send_list(wrs)
-            refusal = qp.last_post_error
-        else:
-            posted, refusal = self._post_one_by_one(qp, wrs)
-        for wr, chunk in zip(wrs[:posted], ready[:posted], strict=True):
-            self._inflight[wr.wr_id] = chunk
-        self.work_requests += posted
-        if posted < len(wrs):
-            self._pending.extendleft(reversed(ready[posted:]))  # not posted: failed by _break below
-            self._break(ErrorCode.TRANSFER_FAILED, f"post_send: {refusal}")
+        pending = self._pending
+        while self._head < len(pending) and self.broken is None:
+            room = self._depth - self._inflight.count
+            if room <= 0:
+                break
+            start, first = self._head, self._next_wr + 1
+            stop = min(len(pending), start + room)
+            if self.chained:
+                posted, refusal, expired = qp.post_chunks(pending, start, stop, first, self._clock.wall_ms())
+            else:
+                posted, refusal, expired = self._post_one_by_one(qp, pending, start, stop, first)
+            self._inflight.add(pending[start : start + posted])
+            self._next_wr += posted
+            self.work_requests += posted
+            self._head = start + posted
+            if refusal is not None:
+                self._break(ErrorCode.TRANSFER_FAILED, f"post_send: {refusal}")  # fails the ones not posted
+                break
+            if not expired:
+                break
+            chunk = pending[self._head]
+            self._head += 1
+            chunk.batch.finish(chunk, ErrorCode.GRANT_EXPIRED)
+        if self._head >= len(pending):
+            self._pending, self._head = [], 0
 
-    @staticmethod
-    def _post_one_by_one(qp: QueuePair, wrs: list[WorkRequest]) -> tuple[int, VerbsError | None]:
-        for posted, wr in enumerate(wrs):
+    def _post_one_by_one(
+        self, qp: QueuePair, chunks: list[_Chunk], start: int, stop: int, first: int
+    ) -> tuple[int, VerbsError | None, bool]:
+        now_ms = self._clock.wall_ms()
+        for posted, chunk in enumerate(chunks[start:stop]):
+            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
+                return posted, None, True
+            p = chunk.piece
             try:
-                qp.post_send(wr)
+                qp.post_send(
+                    WorkRequest(first + posted, chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey)
+                )
             except VerbsError as exc:
-                return posted, exc
-        return len(wrs), None
+                return posted, exc, False
+        return stop - start, None, False
 
     def _poll(self) -> None:
+        """Reap the completions there are (up to a send queue's worth): the next window can then be as deep as
+        the send queue, which halves the posting calls against reaping one poll batch at a time."""
         cq = self._cq
         assert cq is not None
+        completions: list[Completion] = []
         try:
-            completions = cq.poll(_POLL_BATCH)
+            while len(completions) < self._depth:
+                polled = cq.poll(_POLL_BATCH)
+                completions.extend(polled)
+                if len(polled) < _POLL_BATCH:
+                    break
         except VerbsError as exc:
             self._break(ErrorCode.TRANSFER_FAILED, f"poll: {exc}")
+            self._dispatch(completions)
             self._fail_inflight(ErrorCode.TRANSFER_FAILED)
             return
+        self._dispatch(completions)
+
+    def _dispatch(self, completions: list[Completion]) -> None:
         for wc in completions:
-            chunk = self._inflight.pop(wc.wr_id, None)
+            chunk = self._inflight.pop(wc.wr_id)
             if chunk is None:
                 continue
             code = completion_code(wc.status)
@@ -239,13 +316,13 @@ class _Connection:
                     self._qp.to_error()
                 except VerbsError as exc:
                     logger.debug("rdma %s: QP -> ERR: %s", self.endpoint, exc)
-        pending, self._pending = self._pending, deque()
+        pending = self._pending[self._head :]
+        self._pending, self._head = [], 0
         for chunk in pending:
             chunk.batch.finish(chunk, self.broken if self.broken is not None else code)
 
     def _fail_inflight(self, code: ErrorCode) -> None:
-        inflight, self._inflight = self._inflight, {}
-        for chunk in inflight.values():
+        for chunk in self._inflight.take_all():
             chunk.batch.finish(chunk, code)
 
     def abort(self, code: ErrorCode, why: str) -> None:
@@ -257,7 +334,7 @@ class _Connection:
         with self._lock:
             if self._qp is None:
                 return
-            if not self._inflight and not self._pending and self.broken is None:
+            if not self._inflight and self._head >= len(self._pending) and self.broken is None:
                 return  # nothing of ours in flight: keep the connection
             self._break(code, why)
             end = time.monotonic() + _ABORT_DRAIN_S

@@ -262,6 +262,34 @@ class QueuePair(ABC):
     last_post_error: VerbsError | None = None
     """Why the last :meth:`post_send_list` stopped short (None: it posted everything)."""
 
+    def post_chunks(
+        self, chunks: list[Any], start: int, stop: int, first_wr_id: int, now_ms: int
+    ) -> tuple[int, VerbsError | None, bool]:
+        """Post ``chunks[start:stop]`` as one list with wr_ids ``first_wr_id``, ``first_wr_id + 1``, ...: the
+        client's posting entry point (decision 0027). A chunk has ``opcode``, ``expiry_ms`` (its grant's end,
+        wall ms; 0: none) and ``piece`` (``local_addr``, ``length``, ``lkey``, ``remote_addr``, ``rkey``).
+
+        Returns (posted, refusal, expired): posting stops before a chunk whose grant expired
+        (``0 < expiry_ms <= now_ms``; ``expired`` is then True and that chunk is ``chunks[start + posted]``,
+        not posted) and where the device refused one (``refusal``). The compiled layer
+        (:mod:`kvpool.transfer.verbs_native`) builds the list in C; this is the Python fallback."""
+        wrs: list[WorkRequest] = []
+        expired = False
+        for chunk in chunks[start:stop]:
+            if chunk.expiry_ms and chunk.expiry_ms <= now_ms:
+                expired = True
+                break
+            p = chunk.piece
+            wr = WorkRequest(
+                first_wr_id + len(wrs), chunk.opcode, p.local_addr, p.length, p.lkey, p.remote_addr, p.rkey
+            )
+            wrs.append(wr)
+        posted = self.post_send_list(wrs) if wrs else 0
+        refusal = None
+        if posted < len(wrs):
+            refusal = self.last_post_error or VerbsError(f"posted {posted} of {len(wrs)} work requests", errno.EIO)
+        return posted, refusal, expired and refusal is None
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -134,6 +134,14 @@ class FakeFabric:
         return self._qps.get((gid, qp_num))
 
 
+def _native_default() -> bool:
+    try:
+        from kvpool.transfer.verbs_native import native_fake_default
+    except ImportError:
+        return False
+    return native_fake_default()
+
+
 class FakeVerbs(Verbs):
     """A fake verbs library. Two instances on one fabric are two nodes that can reach each other."""
 
@@ -147,8 +155,11 @@ class FakeVerbs(Verbs):
         max_qp_wr: int = 1024,
         mtu: Mtu = Mtu.MTU_4096,
         numa_nodes: dict[str, int] | None = None,
+        native: bool | None = None,
     ) -> None:
         self.fabric = fabric if fabric is not None else FakeFabric()
+        self.native = _native_default() if native is None else native
+        """Post through the compiled layer's fake provider (decision 0027; default: where it is built)."""
         self.devices = devices
         self.numa_nodes = dict(numa_nodes or {})
         """The NUMA node each fake device claims to sit on (unknown: -1)."""
@@ -293,6 +304,10 @@ class FakeContext(DeviceContext):
         self._check_open()
         if depth <= 0:
             raise VerbsError(f"CQ depth must be positive, got {depth}", errno.EINVAL)
+        if self.verbs.native:
+            from kvpool.transfer.verbs_native import NativeFakeCQ
+
+            return NativeFakeCQ(self, depth)
         return FakeCQ(self, depth)
 
     def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> FakeQP:
@@ -301,10 +316,19 @@ class FakeContext(DeviceContext):
             raise VerbsError("the CQ belongs to another context", errno.EINVAL)
         if not 0 < max_send_wr <= self.max_qp_wr:
             raise VerbsError(f"max_send_wr {max_send_wr} outside 1..{self.max_qp_wr}", errno.EINVAL)
-        qp = FakeQP(self, cq, max_send_wr)
+        qp = self.new_qp(cq, max_send_wr)
         self.qps.append(qp)
         self.fabric.add_qp(qp)
         return qp
+
+    def new_qp(self, cq: FakeCQ, max_send_wr: int) -> FakeQP:
+        """A QP of this context: on the compiled fake provider where the verbs say so (decision 0027)."""
+        if self.verbs.native:
+            from kvpool.transfer.verbs_native import NativeFakeCQ, NativeFakeQP
+
+            if isinstance(cq, NativeFakeCQ):
+                return NativeFakeQP(self, cq, max_send_wr)
+        return FakeQP(self, cq, max_send_wr)
 
     def close(self) -> None:
         with self.fabric.lock:

@@ -159,10 +159,11 @@ class IpcFakeVerbs(FakeVerbs):
         max_qp_wr: int = 1024,
         mtu: Mtu = Mtu.MTU_4096,
         numa_nodes: dict[str, int] | None = None,
+        native: bool | None = None,
     ) -> None:
         if devices is None:
             devices, numa_nodes = fake_devices_from_env()
-        super().__init__(IpcFakeFabric(directory), devices, max_mr_bytes, max_qp_wr, mtu, numa_nodes)
+        super().__init__(IpcFakeFabric(directory), devices, max_mr_bytes, max_qp_wr, mtu, numa_nodes, native)
 
     def open(self, device: str, port: int = 1, gid_index: int = 0) -> IpcFakeContext:
         if device not in self.devices:
@@ -256,11 +257,19 @@ class IpcFakeContext(FakeContext):
             raise VerbsError("the CQ belongs to another context", errno.EINVAL)
         if not 0 < max_send_wr <= self.max_qp_wr:
             raise VerbsError(f"max_send_wr {max_send_wr} outside 1..{self.max_qp_wr}", errno.EINVAL)
-        qp = IpcFakeQP(self, cq, max_send_wr)
+        qp = self.new_qp(cq, max_send_wr)
         self.qps.append(qp)
         self.fabric.add_qp(qp)
         self.publish()
         return qp
+
+    def new_qp(self, cq: FakeCQ, max_send_wr: int) -> IpcFakeQP:
+        if self.verbs.native:
+            from kvpool.transfer.verbs_native import NativeFakeCQ, NativeIpcFakeQP
+
+            if isinstance(cq, NativeFakeCQ):
+                return NativeIpcFakeQP(self, cq, max_send_wr)
+        return IpcFakeQP(self, cq, max_send_wr)
 
     def close(self) -> None:
         super().close()

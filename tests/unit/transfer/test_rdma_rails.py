@@ -16,7 +16,7 @@ from kvpool.transfer.rdma import RdmaResponder, RdmaTransport
 from kvpool.transfer.rdma_rails import RailsTransport, RdmaResponders, buffer_numa_node, stripe_parts
 from kvpool.transfer.verbs import buffer_address
 from kvpool.transfer.verbs_fake import FakeFabric, FakeVerbs
-from tests.unit.transfer.test_rdma_fake import SEG_ID, ControlServer, Rig, _Segment
+from tests.support.rdma_rig import SEG_ID, ControlServer, Rig, _Segment
 
 MiB = 1 << 20
 

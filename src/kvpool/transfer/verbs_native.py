@@ -1,0 +1,433 @@
+"""The compiled verbs data path (:mod:`kvpool.transfer._verbs`, decision 0027): a :class:`Verbs` over
+libibverbs that owns its device, PD, MRs, CQs and RC QPs, and posts a window of chunks as one chain of work
+requests built in C (:meth:`QueuePair.post_chunks`); and the FAKE NIC's QPs and CQs on the extension's fake
+provider, so that tests post through the same compiled code a real NIC's provider is called from.
+
+Selection (``KVPOOL_VERBS``, :func:`kvpool.transfer.factory.default_verbs`): ``native`` = this module on real
+devices; ``pyverbs`` = :class:`kvpool.transfer.verbs.PyverbsVerbs`; empty = this module when it is built and
+finds a device, else pyverbs; ``fake`` = the FAKE NIC, posting through the extension's fake provider when it
+is built (``KVPOOL_NATIVE_VERBS=0``: the Python posting path).
+
+The real-device half has not run on an RDMA device here (the team's machines have none): it is compiled
+and typed, and exercised by the opt-in hardware test only (tests/integration/test_rdma_hardware.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvpool.common import envs
+from kvpool.common.log import get_logger
+from kvpool.transfer.verbs import (
+    _ACK_TIMEOUT,
+    _MIN_RNR_TIMER,
+    _RD_ATOMIC,
+    _RETRY_CNT,
+    _RNR_RETRY,
+    ZERO_GID,
+    Access,
+    Completion,
+    CompletionQueue,
+    DeviceContext,
+    MemoryRegion,
+    Mtu,
+    Opcode,
+    PortInfo,
+    QpInfo,
+    QpState,
+    QueuePair,
+    Verbs,
+    VerbsError,
+    WcStatus,
+    WorkRequest,
+    check_transition,
+)
+from kvpool.transfer.verbs_fake import FakeContext, FakeCQ, FakeQP
+from kvpool.transfer.verbs_fake_ipc import IpcFakeQP
+
+if TYPE_CHECKING:
+    from kvpool.transfer import _verbs
+else:
+    try:
+        from kvpool.transfer import _verbs
+    except ImportError:  # not built (no compiler or no libibverbs headers): the Python paths run
+        _verbs = None
+
+logger = get_logger(__name__)
+_PACK = struct.Struct("=7Q")
+_OPCODES = {int(op): op for op in Opcode}  # a dict lookup: calling the enum per work request costs microseconds
+
+
+def native_built() -> bool:
+    """Whether the extension is built and importable (its libibverbs loaded)."""
+    return _verbs is not None
+
+
+def native_fake_default() -> bool:
+    """Whether a FAKE NIC posts through the extension's fake provider by default."""
+    return _verbs is not None and bool(envs.KVPOOL_NATIVE_VERBS.get())
+
+
+def native_fake_work_requests() -> int:
+    """Work requests this process posted through the compiled layer's fake provider so far."""
+    return _NativeFakePosting.work_requests_total
+
+
+def _error(what: str, exc: OSError) -> VerbsError:
+    return VerbsError(f"{what}: {exc.strerror or exc}", exc.errno or 0)
+
+
+def _refused(qp_num: int, err: int) -> VerbsError:
+    return VerbsError(f"post_send on QP {qp_num} refused: {os.strerror(err)}", err)
+
+
+def _pack(wrs: Sequence[WorkRequest]) -> bytes:
+    return b"".join(
+        _PACK.pack(w.wr_id, int(w.opcode), w.local_addr, w.length, w.lkey, w.remote_addr, w.rkey) for w in wrs
+    )
+
+
+def native_verbs(mode: str) -> Verbs | None:
+    """The compiled layer for ``KVPOOL_VERBS`` = ``mode`` on real devices, or None (pyverbs): ``native`` asks for
+    it (None, logged, where it is not built); empty prefers it where it is built and finds a device."""
+    if mode not in ("", "native") or (mode == "" and not envs.KVPOOL_NATIVE_VERBS.get()):
+        return None
+    try:
+        verbs = NativeVerbs()
+        found = verbs.list_devices()
+    except (ImportError, VerbsError) as exc:
+        if mode == "native":
+            logger.warning("KVPOOL_VERBS=native: the compiled verbs layer is unusable (%s): pyverbs instead", exc)
+        return None
+    return verbs if found or mode == "native" else None
+
+
+# ---------------------------------------------------------------------- the real devices
+class NativeVerbs(Verbs):
+    """The real verbs through the compiled extension (raises ImportError where it is not built)."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        if _verbs is None:
+            raise ImportError("kvpool.transfer._verbs is not built (needs libibverbs-dev at build time)")
+
+    def list_devices(self) -> list[str]:
+        try:
+            return _verbs.list_devices()
+        except OSError as exc:
+            raise _error("list RDMA devices", exc) from exc
+
+    def open(self, device: str, port: int = 1, gid_index: int = 0) -> NativeContext:
+        return NativeContext(device, port, gid_index)
+
+
+class NativeContext(DeviceContext):
+    """An opened device port with its protection domain."""
+
+    def __init__(self, device: str, port: int, gid_index: int) -> None:
+        try:
+            self._ctx = _verbs.open_device(device)
+        except OSError as exc:
+            raise _error(f"open RDMA device {device}", exc) from exc
+        try:
+            self._pd = _verbs.alloc_pd(self._ctx)
+            self._max_mr, self._max_qp_wr, rd_atom = _verbs.query_device(self._ctx)
+        except OSError as exc:
+            _verbs.close_device(self._ctx)
+            raise _error(f"open RDMA device {device}", exc) from exc
+        self.max_rd_atomic = max(1, min(_RD_ATOMIC, rd_atom))
+        self.name = device
+        self.port = port
+        self.gid_index = gid_index
+        self._closed = False
+
+    @property
+    def max_mr_bytes(self) -> int:
+        return self._max_mr
+
+    @property
+    def max_qp_wr(self) -> int:
+        return self._max_qp_wr
+
+    def port_info(self) -> PortInfo:
+        try:
+            lid, mtu, gid = _verbs.query_port(self._ctx, self.port, self.gid_index)
+        except OSError as exc:
+            raise _error(f"query port {self.name}:{self.port}", exc) from exc
+        return PortInfo(lid=lid, gid=gid, mtu=Mtu.of(mtu))
+
+    def reg_mr(self, address: int, length: int, access: Access) -> MemoryRegion:
+        try:
+            handle, lkey, rkey = _verbs.reg_mr(self._pd, address, length, int(access))
+        except OSError as exc:
+            raise _error(f"register {length} bytes at {address:#x}", exc) from exc
+        return NativeMR(handle, address, length, lkey, rkey)
+
+    def create_cq(self, depth: int) -> CompletionQueue:
+        try:
+            return NativeCQ(_verbs.create_cq(self._ctx, depth))
+        except OSError as exc:
+            raise _error(f"create a CQ of depth {depth}", exc) from exc
+
+    def create_qp(self, cq: CompletionQueue, max_send_wr: int) -> QueuePair:
+        if not isinstance(cq, NativeCQ):
+            raise VerbsError("the CQ belongs to another verbs layer", errno.EINVAL)
+        try:
+            handle, qp_num = _verbs.create_qp(self._pd, cq.handle, max_send_wr)
+        except OSError as exc:
+            raise _error("create an RC QP", exc) from exc
+        return NativeQP(handle, qp_num, self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for close, handle in ((_verbs.dealloc_pd, self._pd), (_verbs.close_device, self._ctx)):
+            try:
+                close(handle)
+            except OSError:  # something still holds the PD (a leaked MR): the process exit frees it
+                continue
+
+
+class NativeMR(MemoryRegion):
+    def __init__(self, handle: int, addr: int, length: int, lkey: int, rkey: int) -> None:
+        self._handle = handle
+        self.addr = addr
+        self.length = length
+        self.lkey = lkey
+        self.rkey = rkey
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, 0
+        if handle:
+            try:
+                _verbs.dereg_mr(handle)
+            except OSError as exc:
+                raise _error("deregister MR", exc) from exc
+
+
+class NativeCQ(CompletionQueue):
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def poll(self, max_entries: int) -> list[Completion]:
+        if not self.handle:
+            raise VerbsError("poll on a closed CQ", errno.EBADF)
+        try:
+            polled = _verbs.poll(self.handle, max_entries)
+        except OSError as exc:
+            raise _error("poll CQ", exc) from exc
+        return [Completion(wr_id, WcStatus.of(status), n, vendor) for wr_id, status, n, vendor in polled]
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, 0
+        if handle:
+            try:
+                _verbs.destroy_cq(handle)
+            except OSError:  # a QP still uses it (EBUSY): freed with the context at exit
+                return
+
+
+class NativeQP(QueuePair):
+    """An RC QP of the compiled layer: posts go through ``_verbs.post_chunks`` / ``post_list``."""
+
+    def __init__(self, handle: int, qp_num: int, ctx: NativeContext) -> None:
+        self._handle = handle
+        self._num = qp_num
+        self._ctx = ctx
+        self._state = QpState.RESET
+
+    @property
+    def qp_num(self) -> int:
+        return self._num
+
+    @property
+    def state(self) -> QpState:
+        return self._state
+
+    def _modify(self, target: QpState, what: str, call: Any, *args: Any) -> None:
+        check_transition(self._state, target)
+        try:
+            call(self._handle, *args)
+        except OSError as exc:
+            raise _error(f"QP {self._num} {what}", exc) from exc
+        self._state = target
+
+    def to_init(self, access: Access) -> None:
+        self._modify(QpState.INIT, "to_init", _verbs.modify_init, self._ctx.port, int(access))
+
+    def to_rtr(self, remote: QpInfo, mtu: Mtu) -> None:
+        global_route = bool(remote.gid) and remote.gid != ZERO_GID  # RoCE (and routed IB): a GRH to the GID
+        gid = bytes.fromhex(remote.gid.replace(":", "")) if global_route else b""
+        args = (self._ctx.port, self._ctx.gid_index, self._ctx.max_rd_atomic, remote.qp_num, remote.psn)
+        self._modify(QpState.RTR, "to_rtr", _verbs.modify_rtr, *args, int(mtu), remote.lid, _MIN_RNR_TIMER, gid)
+
+    def to_rts(self, psn: int) -> None:
+        args = (psn, self._ctx.max_rd_atomic, _ACK_TIMEOUT, _RETRY_CNT, _RNR_RETRY)
+        self._modify(QpState.RTS, "to_rts", _verbs.modify_rts, *args)
+
+    def to_error(self) -> None:
+        try:
+            _verbs.modify_err(self._handle)
+        except OSError as exc:
+            raise _error("QP -> ERR", exc) from exc
+        self._state = QpState.ERR
+
+    def post_send(self, wr: WorkRequest) -> None:
+        if self.post_send_list((wr,)) != 1:
+            assert self.last_post_error is not None
+            raise self.last_post_error
+
+    def post_send_list(self, wrs: Sequence[WorkRequest]) -> int:
+        self.last_post_error = None
+        if not self._handle:
+            self.last_post_error = VerbsError(f"QP {self._num} is destroyed", errno.EBADF)
+            return 0
+        posted, err = _verbs.post_list(self._handle, _pack(wrs))
+        if err:
+            self.last_post_error = _refused(self._num, err)
+        return posted
+
+    def post_chunks(
+        self, chunks: list[Any], start: int, stop: int, first_wr_id: int, now_ms: int
+    ) -> tuple[int, VerbsError | None, bool]:
+        if not self._handle:
+            return 0, VerbsError(f"QP {self._num} is destroyed", errno.EBADF), False
+        posted, err, expired = _verbs.post_chunks(self._handle, chunks, start, stop, first_wr_id, now_ms)
+        return posted, (_refused(self._num, err) if err else None), bool(expired)
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, 0
+        if handle:
+            try:
+                _verbs.destroy_qp(handle)
+            except OSError as exc:
+                raise _error(f"destroy QP {self._num}", exc) from exc
+
+
+# ---------------------------------------------------------------------- the FAKE NIC on the fake provider
+class NativeFakeCQ(FakeCQ):
+    """A FAKE CQ held by the extension's fake provider: polled through ``ibv_poll_cq``, as a real one is."""
+
+    def __init__(self, ctx: FakeContext, depth: int) -> None:
+        super().__init__(ctx, depth)
+        self.handle = _verbs.fake_create_cq()
+
+    def push(self, qp: FakeQP, completion: Completion) -> None:
+        if self.closed:
+            return
+        qp_handle = qp.native_handle if isinstance(qp, _NativeFakePosting) else 0
+        _verbs.fake_complete(self.handle, qp_handle, completion.wr_id, int(completion.status), completion.byte_len)
+
+    def poll(self, max_entries: int) -> list[Completion]:
+        with self.ctx.fabric.lock:
+            if self.closed:
+                raise VerbsError("poll on a closed CQ", errno.EBADF)
+            polled = _verbs.poll(self.handle, max_entries)
+        return [Completion(wr_id, WcStatus.of(status), n, vendor) for wr_id, status, n, vendor in polled]
+
+    def close(self) -> None:
+        with self.ctx.fabric.lock:
+            if not self.closed:
+                self.closed = True
+                _verbs.fake_destroy_cq(self.handle)
+
+
+class _NativeFakePosting(FakeQP):
+    """A FAKE QP whose posts go through the compiled chain and ``ibv_post_send`` into the extension's fake
+    provider (state, send-queue room and injected refusals are checked there, as a provider does), after
+    which the FAKE NIC takes the recorded requests and executes them - timed as the NIC's share."""
+
+    cq: NativeFakeCQ
+    work_requests_total: ClassVar[int] = 0
+    """Work requests this process posted through the fake provider (tests prove a run used this path)."""
+
+    def __init__(self, ctx: FakeContext, cq: NativeFakeCQ, max_send_wr: int) -> None:
+        self.native_handle = 0
+        super().__init__(ctx, cq, max_send_wr)
+        self.native_handle = _verbs.fake_create_qp(cq.handle, max_send_wr, self.qp_num)
+        _verbs.fake_set_state(self.native_handle, int(self._qp_state), 0)
+
+    @property
+    def _state(self) -> QpState:
+        return self._qp_state
+
+    @_state.setter
+    def _state(self, value: QpState) -> None:
+        self._qp_state = value
+        if self.native_handle:
+            _verbs.fake_set_state(self.native_handle, int(value), 0)
+
+    def post_send(self, wr: WorkRequest) -> None:
+        if self.post_send_list((wr,)) != 1:
+            assert self.last_post_error is not None
+            raise self.last_post_error
+
+    def post_send_list(self, wrs: Sequence[WorkRequest]) -> int:
+        self.last_post_error = None
+        with self.ctx.fabric.lock:
+            if self._destroyed(bool(wrs)):
+                self.last_post_error = VerbsError(f"QP {self.qp_num} is destroyed", errno.EBADF)
+                return 0
+            posted, err = _verbs.post_list(self.native_handle, _pack(wrs))
+            self._nic_takes()
+        if err:
+            self.last_post_error = _refused(self.qp_num, err)
+        return posted
+
+    def post_chunks(
+        self, chunks: list[Any], start: int, stop: int, first_wr_id: int, now_ms: int
+    ) -> tuple[int, VerbsError | None, bool]:
+        with self.ctx.fabric.lock:
+            if self._destroyed(stop > start):
+                return 0, VerbsError(f"QP {self.qp_num} is destroyed", errno.EBADF), False
+            posted, err, expired = _verbs.post_chunks(self.native_handle, chunks, start, stop, first_wr_id, now_ms)
+            self._nic_takes()
+        return posted, (_refused(self.qp_num, err) if err else None), bool(expired)
+
+    def _destroyed(self, posting: bool) -> bool:
+        """Whether the QP is gone; else hands the provider one injected refusal when a post is coming."""
+        if self.closed or not self.native_handle:
+            return True
+        faults = self.ctx.fabric.faults
+        if posting and faults.post_failures > 0:
+            faults.post_failures -= 1
+            _verbs.fake_set_state(self.native_handle, int(self._qp_state), 1)
+        return False
+
+    def _nic_takes(self) -> None:
+        """The FAKE NIC executes what the provider recorded: checks, copies, completions (the NIC's time)."""
+        started = time.thread_time()
+        try:
+            packed = _verbs.fake_take(self.native_handle)
+            wrs = [
+                WorkRequest(wr_id, _OPCODES[op], laddr, n, lkey, raddr, rkey)
+                for wr_id, op, laddr, n, lkey, raddr, rkey in _PACK.iter_unpack(packed)
+            ]
+            self.ctx.fabric.posted.extend(wrs)
+            _NativeFakePosting.work_requests_total += len(wrs)
+            for wr in wrs:
+                self._run(wr)
+        finally:
+            self.ctx.fabric.nic_seconds += time.thread_time() - started
+
+    def close(self) -> None:
+        with self.ctx.fabric.lock:
+            super().close()
+            handle, self.native_handle = self.native_handle, 0
+            if handle:
+                _verbs.fake_destroy_qp(handle, not self.cq.closed)
+
+
+class NativeFakeQP(_NativeFakePosting):
+    """The in-process FAKE NIC's QP on the fake provider."""
+
+
+class NativeIpcFakeQP(_NativeFakePosting, IpcFakeQP):
+    """The cross-process FAKE NIC's QP on the fake provider."""
