@@ -636,7 +636,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                 self._free_ranges(stale, key)
                 with self._stats_lock:
                     self._reclaimed += 1
-            placed = self._allocate(size, ctx)
+            placed = self._allocate(key, size, ctx)
             if not placed:
                 return None
             size = self._intern_size(size)
@@ -698,7 +698,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
             self._sizes[size] = size
         return size
 
-    def _allocate(self, size: int, ctx: _PutContext) -> list[Range]:
+    def _allocate(self, key: str, size: int, ctx: _PutContext) -> list[Range]:
         """Try the policy's candidates in order until ``replica_num`` distinct segments hold the object."""
         segments = self._table.allocatable
         if not segments:
@@ -713,7 +713,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                 continue
             if want > 1 and any(s is seg for s, _ in placed):
                 continue  # a policy returned a duplicate: replicas go to distinct segments
-            offset = seg.allocator.allocate(size)
+            offset = seg.allocate_for(key, size)
             if offset is None:
                 continue
             placed.append((seg, offset))
