@@ -196,6 +196,18 @@ class ObjectMeta:
         elif until:
             self._hold = _Rare(None, until, hold)
 
+    def extend_lease(self, until: float) -> float:
+        """Move the lease's end to ``until`` if that is later; the lease's end after (the read path's one
+        call instead of a read, a compare and a write through the property)."""
+        hold = self._hold
+        if isinstance(hold, _Rare):
+            if hold.lease_until < until:
+                hold.lease_until = until
+            return hold.lease_until
+        if hold < until:
+            self._hold = hold = until
+        return hold
+
     def _compact(self, hold: _Rare) -> None:
         """Back to the inline float once neither further replicas nor a soft pin are left."""
         if hold.extra is None and not hold.soft_pin_until:

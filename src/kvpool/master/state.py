@@ -409,12 +409,12 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                     if live is not None:
                         code = _OK
                         if grant_lease:
-                            if meta.lease_until < new_lease:
-                                meta.lease_until = new_lease
+                            lease_until = meta.extend_lease(new_lease)
                             meta.last_access = now
+                        else:
+                            lease_until = meta.lease_until
                         size = meta.size
                         checksum = meta.checksum
-                        lease_until = meta.lease_until
                     else:
                         code = _NOT_FOUND
             if live is None:
