@@ -33,12 +33,14 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from typing import cast
 
 import xxhash
 
 from kvpool.common import grants
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.groups import wrong_group
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import EvictionPolicy, make_eviction
@@ -734,7 +736,16 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
         now = self._clock.monotonic()
         by_id = self._table.by_id
         append = out.append
-        for meta in self._shards.lookup_many(keys if type(keys) is list else list(keys)):
+        keys = keys if type(keys) is list else list(keys)
+        cfg = self._cfg
+        if cfg.groups > 1:  # every key's group is checked in the same pass (decision 0080)
+            found = self._shards.lookup_many_in_group(keys, cfg.groups, cfg.group)
+            if type(found) is int:
+                raise wrong_group(keys[found], cfg.groups, cfg.group)
+            metas = cast("list[ObjectMeta | None]", found)
+        else:
+            metas = self._shards.lookup_many(keys)
+        for meta in metas:
             ok = False
             if meta is not None and meta.flags & COMPLETE:
                 if meta.flags & PRIMARY_COMPLETE:
