@@ -229,13 +229,17 @@ class MasterHandlers:
         finally:
             self.requests.observe(method, time.perf_counter() - started)
 
-    def _check_batch(self, keys: Any, *, lookup: bool = False) -> None:
-        if len(keys) > self.config.max_batch:
-            raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys > max_batch {self.config.max_batch}")
+    def _keys(self, wire_keys: Any, *, lookup: bool = False) -> list[str]:
+        """A request's keys as a list (decoded from the message once: each access to the repeated field
+        builds a new str), checked for the batch limit and, with groups, for the master's group."""
+        if len(wire_keys) > self.config.max_batch:
+            raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(wire_keys)} keys > max_batch {self.config.max_batch}")
+        keys = list(wire_keys)
         if self.config.groups > 1 and not lookup:  # a lookup's keys are checked in the lookup's own pass
             self._check_group(keys)
+        return keys
 
-    def _check_group(self, keys: Any) -> None:
+    def _check_group(self, keys: list[str]) -> None:
         """Refuse a batch holding a key of another shard group (decision 0080): a mis-routed put would
         store an object where its owner never looks, and a mis-routed read would miss. Every key is
         checked, in the compiled _index where it was built (about 20 ns a key)."""
@@ -336,43 +340,39 @@ class MasterHandlers:
     # --- objects ---------------------------------------------------------------------------------
 
     def BatchPutStart(self, req: pb.BatchPutStartRequest) -> pb.BatchPutStartResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        if len(req.sizes) != len(req.keys):
+        keys = self._keys(req.keys)
+        if len(req.sizes) != len(keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
-        results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes), convert.put_options(req.config))
+        results = self.state.put_start(req.client_id, keys, list(req.sizes), convert.put_options(req.config))
         response = pb.BatchPutStartResponse(status=self.status())
         convert.fill_put_start_results(response.results, results)
         return response
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        if len(req.checksums) != len(req.keys):
+        keys = self._keys(req.keys)
+        if len(req.checksums) != len(keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and checksums differ in length")
-        codes = self.state.put_end(req.client_id, list(req.keys), list(req.checksums))
+        codes = self.state.put_end(req.client_id, keys, list(req.checksums))
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def BatchPutRevoke(self, req: pb.BatchPutRevokeRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.put_revoke(req.client_id, list(req.keys))
+        codes = self.state.put_revoke(req.client_id, self._keys(req.keys))
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def BatchGetReplicas(self, req: pb.BatchGetReplicasRequest) -> pb.BatchGetReplicasResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        results = self.state.get_replicas(list(req.keys), grant_lease=not req.no_lease)
+        results = self.state.get_replicas(self._keys(req.keys), grant_lease=not req.no_lease)
         response = pb.BatchGetReplicasResponse(status=self.status())
         convert.fill_get_results(response.results, results)
         return response
 
     def BatchExists(self, req: pb.BatchExistsRequest) -> pb.BatchExistsResponse:  # noqa: N802
-        self._check_batch(req.keys, lookup=True)  # MasterState checks the keys' group in its lookup
-        keys = list(req.keys)
+        keys = self._keys(req.keys, lookup=True)  # MasterState checks the keys' group in its lookup
         if req.prefix:
             return pb.BatchExistsResponse(status=self.status(), prefix_length=self.state.prefix_length(keys))
         return pb.BatchExistsResponse(status=self.status(), exists=self.state.exists(keys))
 
     def BatchRemove(self, req: pb.BatchRemoveRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.remove(list(req.keys), force=req.force)
+        codes = self.state.remove(self._keys(req.keys), force=req.force)
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def RemoveAll(self, req: pb.RemoveAllRequest) -> pb.RemoveAllResponse:  # noqa: N802
@@ -391,8 +391,7 @@ class MasterHandlers:
         return pb.ReportStoreFailuresResponse(status=self.status(), suspected=report.suspected)
 
     def Pin(self, req: pb.PinRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.pin(list(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
+        codes = self.state.pin(self._keys(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
 
