@@ -242,7 +242,7 @@ class MasterHandlers:
     def _check_group(self, keys: list[str]) -> None:
         """Refuse a batch holding a key of another shard group (decision 0080): a mis-routed put would
         store an object where its owner never looks, and a mis-routed read would miss. Every key is
-        checked, in the compiled _index where it was built (about 20 ns a key)."""
+        checked, in the compiled _index where it was built (docs/benchmarks.md, "Issue 28 follow-up")."""
         groups, mine = self.config.groups, self.config.group
         if _native_foreign is not None:
             found = _native_foreign(keys, groups, mine)
