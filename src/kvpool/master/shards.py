@@ -37,6 +37,13 @@ try:
     from kvpool.master._index import lookup as _native_lookup
 except ImportError:  # built without a C compiler or xxHash's header (setup.py)
     _native_lookup = None
+_native_group_lookup: Callable[..., list[ObjectMeta | None] | int] | None
+try:
+    from kvpool.master._index import foreign as _  # noqa: F401  # what a build whose lookup takes groups has
+except ImportError:  # not built, or built before lookup took groups: the Python check
+    _native_group_lookup = None
+else:
+    _native_group_lookup = _native_lookup
 
 __all__ = ["DEFAULT_STRIPES", "Shard", "ShardMap", "StripedLocks", "group_of_or_none", "shard_index"]
 
@@ -109,8 +116,8 @@ class ShardMap:
         """``lookup_many``, checking that every key is shard group ``group``'s (of ``groups``, decision
         0080): the position of the first key that is not, instead of the answers. The compiled lookup
         hashes each key for its group beside its shard (docs/benchmarks.md, "Shard groups")."""
-        if _native_lookup is not None:
-            return _native_lookup(keys, self._objects, groups, group)
+        if _native_group_lookup is not None:
+            return _native_group_lookup(keys, self._objects, groups, group)
         for i, key in enumerate(keys):
             if type(key) is str and group_of_or_none(key, groups) not in (None, group):
                 return i

@@ -25,8 +25,9 @@ KEYS = [f"{i:064x}_0_k" for i in range(3000)] + ["é-ü-漢字-🙂", "a\nb\0c",
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "python":
         monkeypatch.setattr(shards, "_native_lookup", None)
+        monkeypatch.setattr(shards, "_native_group_lookup", None)
         monkeypatch.setattr(service, "_native_foreign", None)
-    elif shards._native_lookup is None or service._native_foreign is None:
+    elif shards._native_group_lookup is None or service._native_foreign is None:
         pytest.skip("kvpool.master._index is not built here")
     return str(request.param)
 
@@ -83,7 +84,7 @@ def test_a_batch_of_the_masters_own_keys_is_served(impl: str) -> None:
 
 
 def test_the_compiled_group_check_agrees_with_group_of() -> None:
-    if shards._native_lookup is None or service._native_foreign is None:
+    if shards._native_group_lookup is None or service._native_foreign is None:
         pytest.skip("kvpool.master._index is not built here")
     from kvpool.master._index import foreign, lookup
 
