@@ -27,6 +27,7 @@ __all__ = [
     "read_group_count",
     "record_group_count",
     "split_by_group",
+    "wrong_group",
 ]
 
 MAX_GROUPS = 64
@@ -42,6 +43,14 @@ def group_of(key: str | bytes, groups: int) -> int:
         return 0
     raw = key.encode() if isinstance(key, str) else key
     return int(xxhash.xxh64_intdigest(raw) % groups)
+
+
+def wrong_group(key: str, groups: int, mine: int) -> KvPoolError:
+    """The refusal of a call holding ``key``, which is not group ``mine``'s (decision 0080)."""
+    return KvPoolError(
+        ErrorCode.WRONG_GROUP,
+        f"key {key[:64]!r} belongs to shard group {group_of(key, groups)} of {groups}; this master serves group {mine}",
+    )
 
 
 def split_by_group(keys: Sequence[str], groups: int) -> list[list[int]]:

@@ -307,7 +307,7 @@ class MoveEngine:
                     plan.retired += 1
                     plan.retired_bytes += size
                 return
-            placed = self._allocate_target(size, sources | holding, targets)
+            placed = self._allocate_target(key, size, sources | holding, targets)
             if placed is _BUSY:
                 plan.busy = True  # wait for a free slot: do not count it as "no room", do not retire
                 return
@@ -340,7 +340,7 @@ class MoveEngine:
         plan.tasks.append(self._register(key, kb, size, checksum, src_seg, source.offset, target, target_offset, job))
 
     def _allocate_target(
-        self, size: int, exclude: Collection[int], targets: Collection[int] | None
+        self, key: str, size: int, exclude: Collection[int], targets: Collection[int] | None
     ) -> tuple[Segment, int] | object | None:
         """A range on an OK segment the placement policy prefers, on a store with a free move slot;
         ``_BUSY`` when no free store has room but a store at its limit may have; None when none has."""
@@ -357,7 +357,7 @@ class MoveEngine:
             seg = by_id.get(segment_id)
             if seg is None or seg.status != SegmentStatus.OK or seg.removed or segment_id in exclude:
                 continue
-            offset = seg.allocator.allocate(size)
+            offset = seg.allocate_for(key, size)  # not where a free of this key is still unacknowledged
             if offset is not None:
                 return seg, offset
         return _BUSY if waiting else None

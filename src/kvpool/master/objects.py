@@ -4,12 +4,13 @@ The master holds one ``ObjectMeta`` per object; at a million objects every byte 
 per object including the key, the shard dict entry and the allocator's record of the block (measured: see
 the report in tests/unit/master/test_master_state.py::test_memory_per_object_is_under_400_bytes). Hence:
 
-* ``__slots__`` and no per-object dict.
+* ``__slots__`` and no per-object dict: eight slots, a 96-byte record (``ObjectMeta``'s docstring).
 * The first (usually only) replica is inline: ``segment`` and ``offset`` slots, its status a flag bit. The
   ``offset`` int is the very object the segment's allocator keeps as its dict key (``allocate``/``reserve``
   return it), so it is stored once for both.
 * Further replicas (replica_num > 1, or a copy being added by a drain) are packed ints in ``extra``:
-  ``segment_id << 57 | offset << 1 | complete``; ``Replica`` is the readable view.
+  ``segment_id << 57 | offset << 1 | complete``; ``Replica`` is the readable view. They and a soft pin
+  are rare, so they live out of line (``_Rare``), in the slot that otherwise holds the lease's end.
 * The replica length is the object's ``size`` (one contiguous buffer per replica, as in Mooncake); the
   master interns sizes so that the objects of one page size share one int.
 * Timestamps are floats from the master's monotonic clock; a batch call computes ``now`` once, so the objects
@@ -87,20 +88,35 @@ def unpack_replica(packed: int) -> Replica:
     )
 
 
+class _Rare:
+    """The fields few objects need, out of line: further replicas and a soft pin (with the lease beside
+    them, so that one slot of ObjectMeta holds all three)."""
+
+    __slots__ = ("extra", "soft_pin_until", "lease_until")
+
+    def __init__(self, extra: tuple[int, ...] | None, soft_pin_until: float, lease_until: float) -> None:
+        self.extra = extra
+        self.soft_pin_until = soft_pin_until
+        self.lease_until = lease_until
+
+
 class ObjectMeta:
-    """Metadata of one object. Fields are read and written under the object's shard lock."""
+    """Metadata of one object. Fields are read and written under the object's shard lock.
+
+    Eight slots: with its GC and object headers the record is 96 bytes (pymalloc's 16-byte size classes;
+    nine or ten slots both take 112). ``extra``, ``soft_pin_until`` and ``lease_until`` share the slot
+    ``_hold``: a float (the lease's end) while the object has one replica and no soft pin, as nearly all
+    objects do, else a ``_Rare`` holding all three. They read and write as attributes either way."""
 
     __slots__ = (
         "size",
         "checksum",
         "segment",
         "offset",
-        "extra",
         "last_access",
-        "lease_until",
         "put_time",
-        "soft_pin_until",
         "flags",
+        "_hold",
     )
 
     size: int
@@ -109,17 +125,13 @@ class ObjectMeta:
     """Segment id of the inline (first) replica."""
     offset: int
     """Offset of the inline replica (the allocator's own key int: shared, not copied)."""
-    extra: tuple[int, ...] | None
-    """Packed further replicas, None when there is only the inline one."""
     last_access: float
     """Monotonic time of the last put_end / get / exists hit (the LRU key)."""
-    lease_until: float
-    """Monotonic end of the read lease (0.0 = never leased); protects against eviction and removal."""
     put_time: float
     """Monotonic time of put_start while PROCESSING, of put_end once COMPLETE (the FIFO key)."""
-    soft_pin_until: float
-    """Monotonic end of the soft pin, 0.0 = none."""
     flags: int
+    _hold: float | _Rare
+    """The lease's end, or a _Rare with the lease, further replicas and a soft pin (see above)."""
 
     def __init__(
         self,
@@ -135,12 +147,71 @@ class ObjectMeta:
         self.checksum = checksum
         self.segment = segment
         self.offset = offset
-        self.extra = None
         self.last_access = now
-        self.lease_until = 0.0
         self.put_time = now
-        self.soft_pin_until = soft_pin_until
         self.flags = flags
+        self._hold = _Rare(None, soft_pin_until, 0.0) if soft_pin_until else 0.0
+
+    @property
+    def extra(self) -> tuple[int, ...] | None:
+        """Packed further replicas, None when there is only the inline one."""
+        hold = self._hold
+        return hold.extra if isinstance(hold, _Rare) else None
+
+    @extra.setter
+    def extra(self, extra: tuple[int, ...] | None) -> None:
+        hold = self._hold
+        if isinstance(hold, _Rare):
+            hold.extra = extra
+            self._compact(hold)
+        elif extra is not None:
+            self._hold = _Rare(extra, 0.0, hold)
+
+    @property
+    def lease_until(self) -> float:
+        """Monotonic end of the read lease (0.0 = never leased); protects against eviction and removal."""
+        hold = self._hold
+        return hold.lease_until if isinstance(hold, _Rare) else hold
+
+    @lease_until.setter
+    def lease_until(self, until: float) -> None:
+        hold = self._hold
+        if isinstance(hold, _Rare):
+            hold.lease_until = until
+        else:
+            self._hold = until
+
+    @property
+    def soft_pin_until(self) -> float:
+        """Monotonic end of the soft pin, 0.0 = none."""
+        hold = self._hold
+        return hold.soft_pin_until if isinstance(hold, _Rare) else 0.0
+
+    @soft_pin_until.setter
+    def soft_pin_until(self, until: float) -> None:
+        hold = self._hold
+        if isinstance(hold, _Rare):
+            hold.soft_pin_until = until
+            self._compact(hold)
+        elif until:
+            self._hold = _Rare(None, until, hold)
+
+    def extend_lease(self, until: float) -> float:
+        """Move the lease's end to ``until`` if that is later; the lease's end after (the read path's one
+        call instead of a read, a compare and a write through the property)."""
+        hold = self._hold
+        if isinstance(hold, _Rare):
+            if hold.lease_until < until:
+                hold.lease_until = until
+            return hold.lease_until
+        if hold < until:
+            self._hold = hold = until
+        return hold
+
+    def _compact(self, hold: _Rare) -> None:
+        """Back to the inline float once neither further replicas nor a soft pin are left."""
+        if hold.extra is None and not hold.soft_pin_until:
+            self._hold = hold.lease_until
 
     @property
     def complete(self) -> bool:

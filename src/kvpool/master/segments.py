@@ -79,7 +79,17 @@ class SegmentInfo:
 class StoreEntry:
     """One store: liveness and its queue of free notifications."""
 
-    __slots__ = ("store_id", "last_seen", "segment_ids", "_lock", "_queue", "_next_seq", "_limit", "dropped")
+    __slots__ = (
+        "store_id",
+        "last_seen",
+        "segment_ids",
+        "_lock",
+        "_queue",
+        "_next_seq",
+        "_limit",
+        "dropped",
+        "_pending",
+    )
 
     def __init__(self, store_id: str, now: float, seq_base: int, limit: int = FREE_QUEUE_LIMIT) -> None:
         self.store_id = store_id
@@ -91,6 +101,8 @@ class StoreEntry:
         self._next_seq = seq_base + 1
         self.dropped = 0
         """Notifications dropped because the queue was full."""
+        self._pending: dict[tuple[int, int, str], int] = {}
+        """How many queued notifications name each (segment_id, offset, key): what ``free_pending`` asks."""
 
     def note_freed(self, segment_id: int, offset: int, key: str = "") -> None:
         """Queue the free of the range at ``offset``; ``key`` names the object that held it, so that the
@@ -98,18 +110,36 @@ class StoreEntry:
         with self._lock:
             queue = self._queue
             if len(queue) >= self._limit:
-                queue.popleft()
+                self._unpend(queue.popleft())
                 self.dropped += 1
             queue.append((segment_id, offset, self._next_seq, key))
             self._next_seq += 1
+            pending = self._pending
+            name = (segment_id, offset, key)
+            pending[name] = pending.get(name, 0) + 1
 
     def take(self, ack: int, limit: int) -> list[tuple[int, int, int, str]]:
         """Forget notifications with seq <= ``ack``; return up to ``limit`` pending ones, oldest first."""
         with self._lock:
             queue = self._queue
             while queue and queue[0][2] <= ack:
-                queue.popleft()
+                self._unpend(queue.popleft())
             return list(islice(queue, limit))
+
+    def free_pending(self, segment_id: int, offset: int, key: str) -> bool:
+        """Whether a notification of the free of ``key`` at ``offset`` is queued and not yet acknowledged:
+        until it is, the store may still apply it, and it would forget a new copy of ``key`` written
+        there (decision 0082). A dict lookup, atomic under the GIL: no lock on the put path."""
+        return (segment_id, offset, key) in self._pending
+
+    def _unpend(self, notification: tuple[int, int, int, str]) -> None:
+        segment_id, offset, _seq, key = notification
+        name = (segment_id, offset, key)
+        left = self._pending[name] - 1
+        if left:
+            self._pending[name] = left
+        else:
+            del self._pending[name]
 
     def pending(self) -> int:
         return len(self._queue)
@@ -166,6 +196,28 @@ class Segment:
         mac = self._mac_base.copy()
         mac.update(_GRANT_HEAD.pack(op, self.id, offset, length, expiry_ms) + key)
         return mac.digest()
+
+    def allocate_for(self, key: str, size: int) -> int | None:
+        """A range of ``size`` bytes for an object of ``key``, or None when none fits.
+
+        Never a range whose free of the same key the store has not acknowledged yet (decision 0082): the
+        free names the key, and a store that applied it after the new copy was written would forget the
+        new copy. Such a range is held while another is taken, then given back (unused, no notification).
+        """
+        allocator = self.allocator
+        offset = allocator.allocate(size)
+        if offset is None or not self.store.free_pending(self.id, offset, key):
+            return offset
+        held = [offset]
+        try:
+            while True:  # each pass holds one more range, so this ends when the segment is full at the latest
+                offset = allocator.allocate(size)
+                if offset is None or not self.store.free_pending(self.id, offset, key):
+                    return offset
+                held.append(offset)
+        finally:
+            for unused in held:
+                allocator.free(unused)
 
     @property
     def free_bytes(self) -> int:

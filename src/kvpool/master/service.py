@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from kvpool.common import tls
 from kvpool.common.auth import TokenChecker
 from kvpool.common.errors import ErrorCode, KvPoolError
-from kvpool.common.groups import group_of
+from kvpool.common.groups import group_of, wrong_group
 from kvpool.common.httpserver import MetricsServer
 from kvpool.common.log import get_logger
 from kvpool.master import convert, tier_service
@@ -46,6 +46,12 @@ from kvpool.proto import master_pb2_grpc as pb_grpc
 
 log = get_logger(__name__)
 
+_native_foreign: Callable[[Any, int, int], int] | None
+try:
+    from kvpool.master._index import foreign as _native_foreign
+except ImportError:  # built without a C compiler or xxHash's header (setup.py): hashed in Python
+    _native_foreign = None
+
 # Methods any master answers even when it is not the leader (they describe the cluster).
 _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 # Methods a newly elected leader accepts during its warm-up: stores re-mount and rebuild the index
@@ -53,8 +59,6 @@ _ALWAYS_SERVED = frozenset({"GetClusterInfo", "GetStats"})
 _MEMBERSHIP = frozenset({"MountSegment", "RemountSegment", "Heartbeat", "UnmountSegment"})
 # The stores' inventory feed to warm standbys (master/standby.py): it decides itself whom it accepts.
 _STANDBY_FEED = frozenset({"StandbySync", "StandbyDelta"})
-# Keys of a lookup batch whose shard group the master checks (every key of a put is checked).
-_GROUP_SAMPLE = 16
 # Most payload a framed connection may send before its HELLOs are accepted (the handshake's fit in it).
 _MAX_PREAUTH_PAYLOAD = 4096
 
@@ -225,28 +229,32 @@ class MasterHandlers:
         finally:
             self.requests.observe(method, time.perf_counter() - started)
 
-    def _check_batch(self, keys: Any, *, every_key: bool = False) -> None:
-        if len(keys) > self.config.max_batch:
-            raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys > max_batch {self.config.max_batch}")
-        if self.config.groups > 1:
-            self._check_group(keys if every_key or len(keys) <= _GROUP_SAMPLE else keys[:: len(keys) // _GROUP_SAMPLE])
+    def _keys(self, wire_keys: Any, *, lookup: bool = False) -> list[str]:
+        """A request's keys as a list (decoded from the message once: each access to the repeated field
+        builds a new str), checked for the batch limit and, with groups, for the master's group."""
+        if len(wire_keys) > self.config.max_batch:
+            raise KvPoolError(ErrorCode.BATCH_TOO_LARGE, f"{len(wire_keys)} keys > max_batch {self.config.max_batch}")
+        keys = list(wire_keys)
+        if self.config.groups > 1 and not lookup:  # a lookup's keys are checked in the lookup's own pass
+            self._check_group(keys)
+        return keys
 
-    def _check_group(self, keys: Any) -> None:
-        """Refuse a batch holding a key of another shard group (decision 0080). Puts check every key: a
-        mis-routed put would store an object where its owner never looks. Other calls check a sample:
-        a mis-routed lookup can only miss, and a client that routes by another group count is caught
-        within a batch or two (the hashing costs the master as much as the lookup itself)."""
+    def _check_group(self, keys: list[str]) -> None:
+        """Refuse a batch holding a key of another shard group (decision 0080): a mis-routed put would
+        store an object where its owner never looks, and a mis-routed read would miss. Every key is
+        checked, in the compiled _index where it was built (docs/benchmarks.md, "Issue 28 follow-up")."""
         groups, mine = self.config.groups, self.config.group
+        if _native_foreign is not None:
+            found = _native_foreign(keys, groups, mine)
+            if found >= 0:
+                raise wrong_group(keys[found], groups, mine)
+            return
         digest = xxhash.xxh64_intdigest  # group_of inlined into one set comprehension: it runs per key
         if {digest(key.encode()) % groups for key in keys} <= {mine}:
             return
         for key in keys:
-            owner = group_of(key, groups)
-            if owner != mine:
-                raise KvPoolError(
-                    ErrorCode.WRONG_GROUP,
-                    f"key {key[:64]!r} belongs to shard group {owner} of {groups}; this master serves group {mine}",
-                )
+            if group_of(key, groups) != mine:
+                raise wrong_group(key, groups, mine)
 
     # --- cluster ---------------------------------------------------------------------------------
 
@@ -332,43 +340,39 @@ class MasterHandlers:
     # --- objects ---------------------------------------------------------------------------------
 
     def BatchPutStart(self, req: pb.BatchPutStartRequest) -> pb.BatchPutStartResponse:  # noqa: N802
-        self._check_batch(req.keys, every_key=True)
-        if len(req.sizes) != len(req.keys):
+        keys = self._keys(req.keys)
+        if len(req.sizes) != len(keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and sizes differ in length")
-        results = self.state.put_start(req.client_id, list(req.keys), list(req.sizes), convert.put_options(req.config))
+        results = self.state.put_start(req.client_id, keys, list(req.sizes), convert.put_options(req.config))
         response = pb.BatchPutStartResponse(status=self.status())
         convert.fill_put_start_results(response.results, results)
         return response
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        if len(req.checksums) != len(req.keys):
+        keys = self._keys(req.keys)
+        if len(req.checksums) != len(keys):
             raise KvPoolError(ErrorCode.INVALID_ARGUMENT, "keys and checksums differ in length")
-        codes = self.state.put_end(req.client_id, list(req.keys), list(req.checksums))
+        codes = self.state.put_end(req.client_id, keys, list(req.checksums))
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def BatchPutRevoke(self, req: pb.BatchPutRevokeRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.put_revoke(req.client_id, list(req.keys))
+        codes = self.state.put_revoke(req.client_id, self._keys(req.keys))
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def BatchGetReplicas(self, req: pb.BatchGetReplicasRequest) -> pb.BatchGetReplicasResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        results = self.state.get_replicas(list(req.keys), grant_lease=not req.no_lease)
+        results = self.state.get_replicas(self._keys(req.keys), grant_lease=not req.no_lease)
         response = pb.BatchGetReplicasResponse(status=self.status())
         convert.fill_get_results(response.results, results)
         return response
 
     def BatchExists(self, req: pb.BatchExistsRequest) -> pb.BatchExistsResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        keys = list(req.keys)
+        keys = self._keys(req.keys, lookup=True)  # MasterState checks the keys' group in its lookup
         if req.prefix:
             return pb.BatchExistsResponse(status=self.status(), prefix_length=self.state.prefix_length(keys))
         return pb.BatchExistsResponse(status=self.status(), exists=self.state.exists(keys))
 
     def BatchRemove(self, req: pb.BatchRemoveRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.remove(list(req.keys), force=req.force)
+        codes = self.state.remove(self._keys(req.keys), force=req.force)
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
     def RemoveAll(self, req: pb.RemoveAllRequest) -> pb.RemoveAllResponse:  # noqa: N802
@@ -387,8 +391,7 @@ class MasterHandlers:
         return pb.ReportStoreFailuresResponse(status=self.status(), suspected=report.suspected)
 
     def Pin(self, req: pb.PinRequest) -> pb.BatchCodesResponse:  # noqa: N802
-        self._check_batch(req.keys)
-        codes = self.state.pin(list(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
+        codes = self.state.pin(self._keys(req.keys), req.hard, req.soft_ttl_ms / 1000.0, req.unpin)
         return pb.BatchCodesResponse(status=self.status(), codes=[int(c) for c in codes])
 
 

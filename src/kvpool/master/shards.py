@@ -29,15 +29,32 @@ from contextlib import contextmanager
 
 import xxhash
 
+from kvpool.common.groups import group_of
 from kvpool.master.objects import ObjectMeta
 
-_native_lookup: Callable[[list[str], tuple[dict[str, ObjectMeta], ...]], list[ObjectMeta | None]] | None
+_native_lookup: Callable[..., list[ObjectMeta | None] | int] | None
 try:
     from kvpool.master._index import lookup as _native_lookup
 except ImportError:  # built without a C compiler or xxHash's header (setup.py)
     _native_lookup = None
+_native_group_lookup: Callable[..., list[ObjectMeta | None] | int] | None
+try:
+    from kvpool.master._index import foreign as _  # noqa: F401  # what a build whose lookup takes groups has
+except ImportError:  # not built, or built before lookup took groups: the Python check
+    _native_group_lookup = None
+else:
+    _native_group_lookup = _native_lookup
 
-__all__ = ["DEFAULT_STRIPES", "Shard", "ShardMap", "StripedLocks", "shard_index"]
+__all__ = ["DEFAULT_STRIPES", "Shard", "ShardMap", "StripedLocks", "group_of_or_none", "shard_index"]
+
+
+def group_of_or_none(key: str, groups: int) -> int | None:
+    """The key's shard group, None for a key that is not UTF-8 (it is in no group's index)."""
+    try:
+        return group_of(key, groups)
+    except UnicodeEncodeError:
+        return None
+
 
 DEFAULT_STRIPES = 4096
 
@@ -84,7 +101,7 @@ class ShardMap:
         Compiled (kvpool.master._index) where it was built; the same answers either way."""
         objects = self._objects
         if _native_lookup is not None:
-            return _native_lookup(keys, objects)
+            return _native_lookup(keys, objects)  # type: ignore[return-value]  # a list without groups
         out: list[ObjectMeta | None] = []
         hash_of = xxhash.xxh3_64_intdigest
         n = self.num_shards
@@ -94,6 +111,17 @@ class ShardMap:
             except UnicodeEncodeError:
                 out.append(None)
         return out
+
+    def lookup_many_in_group(self, keys: list[str], groups: int, group: int) -> list[ObjectMeta | None] | int:
+        """``lookup_many``, checking that every key is shard group ``group``'s (of ``groups``, decision
+        0080): the position of the first key that is not, instead of the answers. The compiled lookup
+        hashes each key for its group beside its shard (docs/benchmarks.md, "Shard groups")."""
+        if _native_group_lookup is not None:
+            return _native_group_lookup(keys, self._objects, groups, group)
+        for i, key in enumerate(keys):
+            if type(key) is str and group_of_or_none(key, groups) not in (None, group):
+                return i
+        return self.lookup_many(keys)
 
     @contextmanager
     def locked(self, index: int) -> Iterator[Shard]:

@@ -33,12 +33,14 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from typing import cast
 
 import xxhash
 
 from kvpool.common import grants
 from kvpool.common.clock import SYSTEM_CLOCK, Clock
 from kvpool.common.errors import ErrorCode, KvPoolError
+from kvpool.common.groups import wrong_group
 from kvpool.common.log import get_logger
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import EvictionPolicy, make_eviction
@@ -409,12 +411,12 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                     if live is not None:
                         code = _OK
                         if grant_lease:
-                            if meta.lease_until < new_lease:
-                                meta.lease_until = new_lease
+                            lease_until = meta.extend_lease(new_lease)
                             meta.last_access = now
+                        else:
+                            lease_until = meta.lease_until
                         size = meta.size
                         checksum = meta.checksum
-                        lease_until = meta.lease_until
                     else:
                         code = _NOT_FOUND
             if live is None:
@@ -636,7 +638,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                 self._free_ranges(stale, key)
                 with self._stats_lock:
                     self._reclaimed += 1
-            placed = self._allocate(size, ctx)
+            placed = self._allocate(key, size, ctx)
             if not placed:
                 return None
             size = self._intern_size(size)
@@ -698,7 +700,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
             self._sizes[size] = size
         return size
 
-    def _allocate(self, size: int, ctx: _PutContext) -> list[Range]:
+    def _allocate(self, key: str, size: int, ctx: _PutContext) -> list[Range]:
         """Try the policy's candidates in order until ``replica_num`` distinct segments hold the object."""
         segments = self._table.allocatable
         if not segments:
@@ -713,7 +715,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
                 continue
             if want > 1 and any(s is seg for s, _ in placed):
                 continue  # a policy returned a duplicate: replicas go to distinct segments
-            offset = seg.allocator.allocate(size)
+            offset = seg.allocate_for(key, size)
             if offset is None:
                 continue
             placed.append((seg, offset))
@@ -734,7 +736,16 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
         now = self._clock.monotonic()
         by_id = self._table.by_id
         append = out.append
-        for meta in self._shards.lookup_many(keys if type(keys) is list else list(keys)):
+        keys = keys if type(keys) is list else list(keys)
+        cfg = self._cfg
+        if cfg.groups > 1:  # every key's group is checked in the same pass (decision 0080)
+            found = self._shards.lookup_many_in_group(keys, cfg.groups, cfg.group)
+            if type(found) is int:
+                raise wrong_group(keys[found], cfg.groups, cfg.group)
+            metas = cast("list[ObjectMeta | None]", found)
+        else:
+            metas = self._shards.lookup_many(keys)
+        for meta in metas:
             ok = False
             if meta is not None and meta.flags & COMPLETE:
                 if meta.flags & PRIMARY_COMPLETE:

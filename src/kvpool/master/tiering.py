@@ -489,7 +489,7 @@ class TierManager:
             channel = self._channels.get(ssd_seg.store_id)
             if dram_seg is None or channel is None:
                 return False
-            offset = dram_seg.allocator.allocate(meta.size)
+            offset = dram_seg.allocate_for(key, meta.size)  # decision 0082
             if offset is None:
                 return False  # DRAM full: stay on SSD (the next reads will try again)
             meta.add_replica(dram_seg.id, offset, False)

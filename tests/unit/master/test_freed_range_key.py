@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from master_scenario import OK, Cluster, MiB, checksum_of
 
+from kvpool.master.segments import StoreEntry
 from kvpool.master.standby import StandbyIndex
 from kvpool.master.types import InventoryItem
 from kvpool.proto import master_pb2 as pb
@@ -27,7 +28,8 @@ class Store:
     def write(self, key: str, offset: int) -> None:
         kb = key.encode()
         self.inventory.begin_write(SEGMENT, offset, SIZE, kb, checksum_of(key))
-        assert self.inventory.record_part(SEGMENT, offset, SIZE, kb, checksum_of(key), 0, SIZE)
+        self.inventory.record_part(SEGMENT, offset, SIZE, kb, checksum_of(key), 0, SIZE)
+        assert self.inventory.holds(SEGMENT, offset, SIZE, kb, checksum_of(key))  # committed (maybe already)
 
     def apply_heartbeat(self, response: pb.HeartbeatResponse) -> None:
         """What the store's heartbeat loop does with the ranges the master freed (store/service.py)."""
@@ -107,3 +109,50 @@ def test_a_free_still_forgets_the_object_it_names() -> None:
     store.apply_heartbeat(heartbeat_response(leader))
     assert store.keys() == [b"c"]
     assert store.journal[-1][1]  # the standbys are told that "a" is gone
+
+
+def test_a_late_free_of_the_same_key_keeps_its_re_put_through_a_failover() -> None:
+    """The same key removed and put again at once (decision 0082): the late free names that key too, so the
+    re-put must not be where the store still holds the freed copy, or the free makes the store forget it."""
+    leader = Cluster(segments={SEGMENT: MiB})
+    store = Store()
+    put(leader, store, "a")
+    assert leader.remove("a") == [OK]
+    put(leader, store, "a")  # before the store heard of the free
+    store.apply_heartbeat(heartbeat_response(leader))  # the late news: "a"'s first copy is freed
+    assert store.keys() == [b"a"]
+    assert leader.present(["a"]) == ["a"]
+
+    cold = Cluster()  # a new leader rebuilt from the store's inventory alone
+    assert cold.mount(SEGMENT, MiB, store.items(), remount=True).code == OK
+    assert cold.present(["a"]) == ["a"]
+    cold.check()
+
+
+def test_a_re_put_of_the_same_key_reuses_its_range_once_the_store_applied_the_free() -> None:
+    leader = Cluster(segments={SEGMENT: MiB})
+    store = Store()
+    offset = put(leader, store, "a")
+    assert leader.remove("a") == [OK]
+    response = heartbeat_response(leader)
+    store.apply_heartbeat(response)
+    acked = max(f.seq for f in response.freed)
+    assert leader.state.heartbeat("store1", [SEGMENT], acked).freed == []  # the store acknowledged the free
+    assert put(leader, store, "a") == offset  # nothing pending there any more: the range is reused
+    assert store.keys() == [b"a"]
+
+
+def test_a_free_stops_being_pending_when_acknowledged_or_dropped_from_a_full_queue() -> None:
+    entry = StoreEntry("store1", now=0.0, seq_base=0, limit=2)
+    entry.note_freed(SEGMENT, 0, "a")
+    entry.note_freed(SEGMENT, 0, "a")  # freed twice there (a re-put elsewhere in between): counted twice
+    assert entry.free_pending(SEGMENT, 0, "a")
+    assert not entry.free_pending(SEGMENT, 0, "b")
+    assert not entry.free_pending(SEGMENT, 64, "a")
+    entry.note_freed(SEGMENT, 64, "b")  # the queue is full: the oldest notification is dropped
+    assert entry.dropped == 1
+    assert entry.free_pending(SEGMENT, 0, "a")  # one notification of "a" at 0 is still queued
+    [(_, _, seq, _), _] = entry.take(0, 10)
+    entry.take(seq, 10)  # the store acknowledged it
+    assert not entry.free_pending(SEGMENT, 0, "a")
+    assert entry.free_pending(SEGMENT, 64, "b")

@@ -68,8 +68,9 @@ def test_abandoned_put_is_taken_over_by_a_new_put_after_the_timeout() -> None:
     assert c.end("k", client="dead") == [E.ILLEGAL_CLIENT]
     assert c.end("k", client="w2") == [OK]
     assert c.state.stats().reclaimed_puts == 1
-    # The old put's range was freed (and, being an exact fit, reused).
-    assert new.replicas[0].offset == old.replicas[0].offset
+    # The old put's range was freed, but not reused for the same key while the store has not acknowledged
+    # that free (decision 0082): the late free would make the store forget the new copy.
+    assert new.replicas[0].offset != old.replicas[0].offset
     assert c.used(1) == 4032
     c.check()
 
