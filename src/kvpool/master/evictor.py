@@ -108,6 +108,9 @@ class Evictor:
         self._evict_cursor = rng.randrange(config.num_shards)
         self._window_starts = [0] * config.num_shards
         """Per shard: where its next sampled window starts (the position in the shard's dict order)."""
+        self._pool: list[Candidate] = []
+        """The best candidates a sampled round did not evict, best first, carried to the next round (under
+        the eviction lock; each is re-validated before it is evicted)."""
         self._work_lock = threading.Lock()
         self._work = EvictionWork(0, 0, 0, 0.0)
 
@@ -148,6 +151,8 @@ class Evictor:
         cpu_started = time.thread_time()
         to_target = bytes_to_free is None
         stepped = not urgent and self._cfg.eviction_sample_factor > 0
+        if urgent:
+            self.tiers.progress.set()  # a put waits for eviction: wake the background eviction now
         tally = _Tally(self._shards.count_objects())
         fruitless = 0
         while fruitless < MAX_EVICTION_ROUNDS:
@@ -163,6 +168,10 @@ class Evictor:
             if finished:
                 break
             fruitless = fruitless + 1 if tally.last_freed == 0 or not stepped else 0
+            if stepped and self._has_headroom():
+                # A blocking call hands the interpreter to a waiting put: it waits for one step, not for a
+                # whole switch interval. Past the headroom line the eviction runs flat out instead.
+                time.sleep(0)
         if tally.objects:
             self._count_evicted(tally.objects, tally.gone_bytes)
         self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started)
@@ -180,26 +189,35 @@ class Evictor:
         tally.scanned += len(candidates)
         tally.examined += looked_at
         tally.last_freed = 0
-        if not candidates:
-            return True
+        pool, self._pool = self._pool, []
         by_key = {c.key: c for c in candidates}
         if len(by_key) != len(candidates):
             candidates = list(by_key.values())  # a shard's windows wrapped around within this round
-        skipped = 0
-        for key in self._eviction.select(candidates, need):
-            cand = by_key.get(key)
-            if cand is None:
-                continue  # a policy bug; never evict what was not offered
+        pooled = limit is not None and self._cfg.eviction_pool_size > 0
+        if pooled and pool:  # a fresh sample replaces the carried entry of its key (its last access is current)
+            candidates = [c for c in pool if c.key not in by_key] + candidates
+        if not candidates:
+            return True
+        # The policy orders every candidate: a victim that fails re-validation is replaced by the next one,
+        # and the best of the rest are carried to the next round.
+        ranked = self._eviction.rank(candidates)
+        skipped = taken = 0
+        for cand in ranked:
+            if tally.last_freed >= need:
+                break
+            taken += 1
             got, gone = self._evict_one(cand, now, urgent)
             if got:
                 tally.last_freed += got
                 if gone:
                     tally.objects += 1
                     tally.gone_bytes += got
-                    tally.keys.append(key)
+                    tally.keys.append(cand.key)
             else:
                 skipped += 1
         tally.freed += tally.last_freed
+        if pooled:
+            self._pool = ranked[taken : taken + self._cfg.eviction_pool_size]
         # A full scan whose every victim was taken: nothing else is evictable.
         return complete and not skipped and tally.last_freed < need
 
@@ -215,6 +233,22 @@ class Evictor:
             capacity += seg.size
             used += seg.allocator.used
         return capacity, used
+
+    def urgent_eviction_bytes(self, need: int) -> int:
+        """What a put that found the pool full evicts: the ``need`` bytes it waits for plus a slack of about
+        ``urgent_eviction_slack`` objects, at most down to eviction_target (never the whole gap: the put
+        waits for this eviction, while the background eviction catches up with the rest)."""
+        capacity, used = self.allocatable_usage()
+        held = self._shards.count_objects()
+        slack = self._cfg.urgent_eviction_slack * math.ceil(used / held) if held else 0
+        return max(need, min(self.default_eviction_bytes(), need + slack))
+
+    def _has_headroom(self) -> bool:
+        """The pool is used below halfway between eviction_high_watermark and full: the background eviction
+        may hand the interpreter to waiting puts between its steps (past it, it runs flat out)."""
+        capacity, used = self.allocatable_usage()
+        used -= self.tiers.pending_bytes
+        return used < capacity * (1.0 + self._cfg.eviction_high_watermark) / 2
 
     def default_eviction_bytes(self) -> int:
         """Bytes to free to get down to eviction_target (DRAM being demoted counts as free)."""

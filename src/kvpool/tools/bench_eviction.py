@@ -83,7 +83,10 @@ class _Background(threading.Thread):
         state = self._state
         ack = 0
         next_beat = 0.0
-        while not self._halt.wait(self._interval_s):
+        progress = state.tiers.progress  # set by a put that evicted inline, as the master's maintenance waits
+        while not self._halt.is_set():
+            progress.wait(self._interval_s)
+            progress.clear()
             if state.needs_eviction():
                 state.evict()
             now = time.monotonic()
@@ -95,6 +98,7 @@ class _Background(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        self._state.tiers.progress.set()
         self.join()
 
 
