@@ -26,7 +26,7 @@ from kvpool.master.shards import ShardMap
 from kvpool.master.tiering import TierManager
 from kvpool.master.types import EvictionReport
 
-__all__ = ["EVICTION_STEP", "MAX_EVICTION_ROUNDS", "SAMPLE_WINDOW", "EvictionWork", "Evictor"]
+__all__ = ["EVICTION_STEP", "HANDOFF_EVERY", "MAX_EVICTION_ROUNDS", "SAMPLE_WINDOW", "EvictionWork", "Evictor"]
 
 MAX_EVICTION_ROUNDS = 4
 """An eviction call samples again (from the next shards) while it has not freed enough, at most this often in
@@ -34,6 +34,8 @@ a row without freeing anything (a stepped eviction goes on while its steps make 
 
 EVICTION_STEP = 32
 """Most victims one step of a background (not urgent) sampled eviction frees under the eviction lock."""
+HANDOFF_EVERY = 8
+"""A background step with headroom hands the interpreter to waiting puts after this many victims."""
 SAMPLE_WINDOW = 64
 """Most objects a sampled pass examines in one shard per visit; the shard's next visit goes on after them
 (docs/decisions/0085-sampled-eviction.md)."""
@@ -53,6 +55,8 @@ class EvictionWork:
     """Objects dropped (demotions to the SSD tier are not counted)."""
     cpu_seconds: float
     """CPU time of the threads inside ``evict`` (not the time they waited for the interpreter lock)."""
+    urgent_calls: int = 0
+    """Calls made for a put that found the pool full (the put waited for them)."""
 
 
 DropIf = Callable[[str, Callable[[ObjectMeta], bool]], "ObjectMeta | None"]
@@ -119,10 +123,16 @@ class Evictor:
         with self._work_lock:
             return self._work
 
-    def _add_work(self, examined: int, evicted: int, seconds: float) -> None:
+    def _add_work(self, examined: int, evicted: int, seconds: float, urgent: bool) -> None:
         with self._work_lock:
             w = self._work
-            self._work = EvictionWork(w.calls + 1, w.examined + examined, w.evicted + evicted, w.cpu_seconds + seconds)
+            self._work = EvictionWork(
+                w.calls + 1,
+                w.examined + examined,
+                w.evicted + evicted,
+                w.cpu_seconds + seconds,
+                w.urgent_calls + urgent,
+            )
 
     def needs_eviction(self) -> bool:
         """used / capacity over the allocatable (OK) segments is above eviction_high_watermark."""
@@ -168,13 +178,9 @@ class Evictor:
             if finished:
                 break
             fruitless = fruitless + 1 if tally.last_freed == 0 or not stepped else 0
-            if stepped and self._has_headroom():
-                # A blocking call hands the interpreter to a waiting put: it waits for one step, not for a
-                # whole switch interval. Past the headroom line the eviction runs flat out instead.
-                time.sleep(0)
         if tally.objects:
             self._count_evicted(tally.objects, tally.gone_bytes)
-        self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started)
+        self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started, urgent)
         return EvictionReport(tally.objects, tally.freed, tally.scanned, time.perf_counter() - started, tally.keys)
 
     def _round(self, need: int, urgent: bool, stepped: bool, tally: _Tally) -> bool:
@@ -183,8 +189,14 @@ class Evictor:
         if stepped and limit is not None:
             need = min(need, self._step_bytes(need, limit))
             limit = self._candidate_limit(need, tally.objects_held)
+        # While the pool has headroom, a background step hands the interpreter to waiting puts (a blocking
+        # call does) after its sample and every HANDOFF_EVERY victims: a put then waits for a few victims'
+        # work, not for a whole switch interval. Past the headroom line the eviction runs flat out.
+        handoff = stepped and self._has_headroom()
         now = self._clock.monotonic()
         candidates, looked_at, complete = self._collect_candidates(now, limit, tally.objects_held)
+        if handoff:
+            time.sleep(0)
         tally.rounds += 1
         tally.scanned += len(candidates)
         tally.examined += looked_at
@@ -206,6 +218,8 @@ class Evictor:
             if tally.last_freed >= need:
                 break
             taken += 1
+            if handoff and not taken % HANDOFF_EVERY:
+                time.sleep(0)
             got, gone = self._evict_one(cand, now, urgent)
             if got:
                 tally.last_freed += got

@@ -7,7 +7,8 @@ high watermark, a background thread that evicts as the master's maintenance thre
 
 * The pool is filled to ``--objects`` - M objects unmeasured; the last M of those puts, unpaced, give this
   process's put rate with free space (the ceiling). The timed puts are then offered at ``--load`` x that rate
-  (open loop: each latency runs from the call's scheduled start, so a call held up by eviction counts its wait).
+  (open loop: each latency runs from the call's scheduled start, so a call held up by eviction counts its wait;
+  ``--load 0`` is the closed loop: unpaced puts, each latency the call's own duration).
 * **free**: M puts of ``--batch`` keys (one ``put_start`` + ``put_end`` each) while the pool climbs to the
   watermark: nothing is evicted.
 * **full**: M puts more cross the watermark unmeasured, then 2 M puts are timed while the pool is full and
@@ -63,6 +64,11 @@ class EvictionRun:
     examined_per_freed: float
     evict_us_per_freed: float
     index_objects: int
+    free_keys_per_s: float = 0.0
+    """Keys put per second in the timed free phase (the offered rate unless the process fell behind)."""
+    full_keys_per_s: float = 0.0
+    urgent_evictions: int = 0
+    """Puts of the full phase that found the pool full and evicted inline (the background had fallen behind)."""
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -153,11 +159,11 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
         writer.put(objects - 2 * measure)
         rate = load * measure / writer.put(measure)  # the ceiling: this process's unpaced put rate
         free: list[float] = []
-        writer.put(measure, free, rate)
+        free_seconds = writer.put(measure, free, rate)
         writer.put(measure, None, rate)
         before = state.eviction_work()
         full: list[float] = []
-        writer.put(2 * measure, full, rate)
+        full_seconds = writer.put(2 * measure, full, rate)
         work = state.eviction_work()
     finally:
         background.stop()
@@ -180,6 +186,9 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
         examined_per_freed=round(examined / evicted, 2) if evicted else 0.0,
         evict_us_per_freed=round(seconds * 1e6 / evicted, 2) if evicted else 0.0,
         index_objects=state.stats().objects,
+        free_keys_per_s=round(measure / free_seconds),
+        full_keys_per_s=round(2 * measure / full_seconds),
+        urgent_evictions=work.urgent_calls - before.urgent_calls,
     )
 
 
@@ -197,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load",
         type=fraction,
         default=0.2,
-        help="offered put rate, as a fraction of this process's unpaced put rate with free space (0.2)",
+        help="offered put rate, as a fraction of this process's unpaced put rate with free space (0.2); "
+        "0 = closed loop: unpaced puts, each latency the call's own duration",
     )
     parser.add_argument("--exact", action="store_true", help="exact LRU (eviction_sample_factor 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
