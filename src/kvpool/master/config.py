@@ -66,9 +66,9 @@ class MasterConfig:
     eviction_high_watermark: float = option(0.90, "Start evicting when this fraction of the pool is used.")
     eviction_target: float = option(0.85, "Evict down to this fraction of the pool.")
     eviction_sample_factor: int = option(
-        4,
+        8,
         "Approximate LRU: scan this many candidates per object to evict (0 = scan every object); the carried "
-        "pool (eviction_pool_size) keeps the victims near the LRU order with a small sample.",
+        "pool (eviction_pool_size) keeps small evictions near the LRU order.",
     )
     eviction_interval_s: float = option(
         0.05, "How often the eviction thread checks the watermark.", parse=parse_duration

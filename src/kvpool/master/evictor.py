@@ -2,9 +2,10 @@
 
 ``MasterState`` holds one ``Evictor`` and delegates ``needs_eviction`` and ``evict`` to it. It is a separate
 object (composition, like ``TierManager``) because its state is its own: the eviction lock, the rotating shard
-cursor and the policy. What it needs of the rest it is given: the shard map and segment table to scan, the tier
-manager (demotion instead of dropping), ``drop_if`` (MasterState's re-validate-and-free of one key) and
-``count_evicted`` (the state's counters). The policy that orders victims is eviction.py.
+cursor, the carried pool of candidates and the policy. What it needs of the rest it is given: the shard map
+and segment table to scan, the tier manager (demotion instead of dropping), ``drop_if`` (MasterState's
+re-validate-and-free of one key) and ``count_evicted`` (the state's counters). The policy that orders victims
+is eviction.py.
 """
 
 from __future__ import annotations
@@ -147,15 +148,20 @@ class Evictor:
         shard from a rotating start, one window of at most ``SAMPLE_WINDOW`` objects per shard visit, holding
         each shard lock only while copying that window's candidates, until ``eviction_sample_factor`` x
         (estimated victims) are collected (factor 0 = every object of every shard: exact LRU).
-        Phase 2 asks the policy for victims, outside every lock. Phase 3 re-validates and frees each victim
-        under its object stripe; one that was leased, touched, pinned or removed meanwhile is skipped.
+        A sampled round adds the candidates carried from the previous round (the pool, at most
+        ``eviction_pool_size``). Phase 2 asks the policy to rank them, outside every lock. Phase 3 walks that
+        order, re-validating and freeing each victim under its object stripe until enough is freed; one that
+        was leased, touched, pinned or removed meanwhile is skipped for the next; the best of the rest become
+        the pool.
         Soft-pinned objects are candidates only if allow_evict_soft_pinned (and the policy takes them last).
         With an SSD tier, a victim may be demoted instead of dropped (master/tiering.py): it counts towards
         the bytes freed but not as an eviction; ``urgent`` (a failed allocation) always frees at once.
 
         A sampled eviction that is not ``urgent`` (the maintenance thread's) works in steps of at most
         ``EVICTION_STEP`` victims and lets go of the eviction lock between steps, so that a put whose
-        allocation failed waits behind one step, not the whole eviction (docs/decisions/0085-sampled-eviction.md).
+        allocation failed waits behind one step, not the whole eviction (docs/decisions/0085-sampled-eviction.md);
+        while the pool has headroom its rounds hand the interpreter to waiting puts every ``HANDOFF_EVERY``
+        victims. An ``urgent`` call wakes the maintenance thread (docs/decisions/0086-eviction-pool.md).
         """
         started = time.perf_counter()
         cpu_started = time.thread_time()
@@ -252,7 +258,7 @@ class Evictor:
         """What a put that found the pool full evicts: the ``need`` bytes it waits for plus a slack of about
         ``urgent_eviction_slack`` objects, at most down to eviction_target (never the whole gap: the put
         waits for this eviction, while the background eviction catches up with the rest)."""
-        capacity, used = self.allocatable_usage()
+        _, used = self.allocatable_usage()
         held = self._shards.count_objects()
         slack = self._cfg.urgent_eviction_slack * math.ceil(used / held) if held else 0
         return max(need, min(self.default_eviction_bytes(), need + slack))
