@@ -17,14 +17,16 @@ high watermark, a background thread that evicts as the master's maintenance thre
 M = ``--measure`` (default: 5 % of the objects, at least 5,000 keys). Reported per phase: p50 and p99 of one
 put call in microseconds; the ratios full / free (the ceiling is the free phase of the same run); and from the
 master's eviction counters (``MasterState.eviction_work``): objects examined per freed object and the
-evicting thread's CPU time per freed object. Medians over ``--runs`` runs. ``--exact`` runs the exact LRU
-(``eviction_sample_factor
-0``: every object ranked on each eviction) for comparison.
+evicting thread's CPU time per freed object; puts that evicted inline; and the interpreter's full garbage
+collections in each timed phase (a pause of the whole process that the open loop turns into a p99). Medians
+over ``--runs`` runs. ``--exact`` runs the exact LRU (``eviction_sample_factor 0``: every object ranked on each
+eviction) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -69,6 +71,13 @@ class EvictionRun:
     full_keys_per_s: float = 0.0
     urgent_evictions: int = 0
     """Puts of the full phase that found the pool full and evicted inline (the background had fallen behind)."""
+    free_gc_full: int = 0
+    """The interpreter's full (generation 2) garbage collections during the timed free phase: each pauses the
+    whole process for a time that grows with the objects it holds, and in the open loop delays every call
+    scheduled meanwhile, so a p99 may be theirs rather than eviction's."""
+    free_gc_max_ms: float = 0.0
+    full_gc_full: int = 0
+    full_gc_max_ms: float = 0.0
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -106,6 +115,27 @@ class _Background(threading.Thread):
         self._halt.set()
         self._state.tiers.progress.set()
         self.join()
+
+
+class _GcWatch:
+    """Times the interpreter's full (generation 2) garbage collections (a ``gc.callbacks`` entry)."""
+
+    def __init__(self) -> None:
+        self._pauses: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._pauses.append(time.perf_counter() - self._started)
+
+    def take(self) -> list[float]:
+        """The pauses (seconds) since the last take."""
+        pauses, self._pauses = self._pauses, []
+        return pauses
 
 
 class _Writer:
@@ -153,20 +183,27 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
     if state.mount_segment(spec).code != ErrorCode.OK:
         raise RuntimeError("mount failed")
     background = _Background(state, config.eviction_interval_s)
+    gc_watch = _GcWatch()
+    gc.callbacks.append(gc_watch)
     background.start()
     try:
         writer = _Writer(state, object_bytes, batch)
         writer.put(objects - 2 * measure)
         rate = load * measure / writer.put(measure)  # the ceiling: this process's unpaced put rate
         free: list[float] = []
+        gc_watch.take()
         free_seconds = writer.put(measure, free, rate)
+        free_gc = gc_watch.take()
         writer.put(measure, None, rate)
         before = state.eviction_work()
         full: list[float] = []
+        gc_watch.take()
         full_seconds = writer.put(2 * measure, full, rate)
+        full_gc = gc_watch.take()
         work = state.eviction_work()
     finally:
         background.stop()
+        gc.callbacks.remove(gc_watch)
     evicted = work.evicted - before.evicted
     examined = work.examined - before.examined
     seconds = work.cpu_seconds - before.cpu_seconds
@@ -189,6 +226,10 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
         free_keys_per_s=round(measure / free_seconds),
         full_keys_per_s=round(2 * measure / full_seconds),
         urgent_evictions=work.urgent_calls - before.urgent_calls,
+        free_gc_full=len(free_gc),
+        free_gc_max_ms=round(max(free_gc, default=0.0) * 1e3, 1),
+        full_gc_full=len(full_gc),
+        full_gc_max_ms=round(max(full_gc, default=0.0) * 1e3, 1),
     )
 
 
