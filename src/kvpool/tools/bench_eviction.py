@@ -277,12 +277,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"put latency of one call of {args.batch} keys, free vs full and evicting (medians of {args.runs} runs)")
     print(
         f"  {'objects':>10}{'free p50':>10}{'free p99':>10}{'full p50':>10}{'full p99':>10}{'p50 x':>7}{'p99 x':>7}"
-        f"{'exam/freed':>12}{'us/freed':>10}"
+        f"{'exam/freed':>12}{'us/freed':>10}{'inline':>8}"
     )
     for r in results:
         print(
             f"  {r['objects']:>10,}{r['free_p50_us']:>10.1f}{r['free_p99_us']:>10.1f}{r['full_p50_us']:>10.1f}"
             f"{r['full_p99_us']:>10.1f}{r['p50_ratio']:>7.2f}{r['p99_ratio']:>7.2f}{r['examined_per_freed']:>12.1f}"
-            f"{r['evict_us_per_freed']:>10.2f}"
+            f"{r['evict_us_per_freed']:>10.2f}{r['urgent_evictions']:>8.0f}"
         )
     return 0

@@ -8,7 +8,10 @@ needs plus a bounded slack, not the whole gap down to ``eviction_target``.
 
 from __future__ import annotations
 
+import pytest
 from master_scenario import OK, Cluster, KiB
+
+from kvpool.master.config import MasterConfig
 
 PAGE = 1 * KiB
 
@@ -87,3 +90,9 @@ def test_an_urgent_eviction_never_goes_below_eviction_target() -> None:
     assert c.put("new", size=PAGE) == [OK]
     assert c.state.stats().evictions == 10  # 200 pages down to 95 % of 200 = 190: the slack is capped
     c.check()
+
+
+@pytest.mark.parametrize("field", ["eviction_pool_size", "urgent_eviction_slack"])
+def test_a_negative_pool_size_or_slack_is_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        MasterConfig(**{field: -1})
