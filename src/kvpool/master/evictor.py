@@ -35,7 +35,7 @@ a row without freeing anything (a stepped eviction goes on while its steps make 
 
 EVICTION_STEP = 32
 """Most victims one step of a background (not urgent) sampled eviction frees under the eviction lock."""
-HANDOFF_EVERY = 8
+HANDOFF_EVERY = 2
 """A background step with headroom hands the interpreter to waiting puts after this many victims."""
 SAMPLE_WINDOW = 64
 """Most objects a sampled pass examines in one shard per visit; the shard's next visit goes on after them
@@ -75,6 +75,7 @@ class _Tally:
         "last_freed",
         "objects",
         "objects_held",
+        "published",
         "rounds",
         "scanned",
     )
@@ -84,6 +85,8 @@ class _Tally:
         self.rounds = self.objects = self.freed = self.scanned = self.gone_bytes = self.examined = 0
         self.last_freed = 0
         self.keys: list[str] = []
+        self.published = (0, 0, time.thread_time())
+        """(examined, objects, thread CPU time) when the counters last got this call's work."""
 
 
 class Evictor:
@@ -124,16 +127,21 @@ class Evictor:
         with self._work_lock:
             return self._work
 
-    def _add_work(self, examined: int, evicted: int, seconds: float, urgent: bool) -> None:
+    def _publish(self, tally: _Tally, call_ended: bool, urgent: bool) -> None:
+        """Add the call's work since its last publication to the counters. Every round publishes, so that a
+        long background call's work shows while it runs (a benchmark's phase may end before the call does)."""
+        examined, objects, cpu = tally.published
+        now_cpu = time.thread_time()
         with self._work_lock:
             w = self._work
             self._work = EvictionWork(
-                w.calls + 1,
-                w.examined + examined,
-                w.evicted + evicted,
-                w.cpu_seconds + seconds,
-                w.urgent_calls + urgent,
+                w.calls + call_ended,
+                w.examined + tally.examined - examined,
+                w.evicted + tally.objects - objects,
+                w.cpu_seconds + now_cpu - cpu,
+                w.urgent_calls + (call_ended and urgent),
             )
+        tally.published = (tally.examined, tally.objects, now_cpu)
 
     def needs_eviction(self) -> bool:
         """used / capacity over the allocatable (OK) segments is above eviction_high_watermark."""
@@ -164,7 +172,6 @@ class Evictor:
         victims. An ``urgent`` call wakes the maintenance thread (docs/decisions/0086-eviction-pool.md).
         """
         started = time.perf_counter()
-        cpu_started = time.thread_time()
         to_target = bytes_to_free is None
         stepped = not urgent and self._cfg.eviction_sample_factor > 0
         if urgent:
@@ -181,12 +188,13 @@ class Evictor:
                 if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
                     break  # (the demotion backlog is full: victims would only be deferred)
                 finished = self._round(need, urgent, stepped, tally)
+            self._publish(tally, False, urgent)
             if finished:
                 break
             fruitless = fruitless + 1 if tally.last_freed == 0 or not stepped else 0
         if tally.objects:
             self._count_evicted(tally.objects, tally.gone_bytes)
-        self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started, urgent)
+        self._publish(tally, True, urgent)
         return EvictionReport(tally.objects, tally.freed, tally.scanned, time.perf_counter() - started, tally.keys)
 
     def _round(self, need: int, urgent: bool, stepped: bool, tally: _Tally) -> bool:
