@@ -27,6 +27,16 @@ def test_a_small_run_evicts_with_bounded_work_and_reports_both_phases(capsys: py
     assert result["index_objects"] <= 4000 / 0.9  # what the pool holds: evicting kept it from overflowing
 
 
+def test_the_closed_loop_puts_unpaced_and_no_put_is_refused_while_evicting() -> None:
+    run = be.run_once(3000, 512, 8, 300, exact=False, load=0.0)  # raises if a put was refused
+    assert run.offered_keys_per_s == 0  # unpaced
+    assert run.evicted > 0
+    assert run.free_keys_per_s > 0
+    assert run.full_keys_per_s > 0
+    assert 0 <= run.urgent_evictions <= 2 * 300 // 8  # at most one per timed put call of the full phase
+    assert run.index_objects <= 3000 / 0.9
+
+
 def test_exact_mode_examines_every_object_per_eviction() -> None:
     run = be.run_once(3000, 512, 8, 300, exact=True, load=0.5)
     assert run.evicted > 0

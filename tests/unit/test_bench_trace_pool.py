@@ -15,8 +15,14 @@ def test_the_dram_holds_exactly_the_oracles_blocks() -> None:
     args = dict(zip(plan.master_args[::2], plan.master_args[1::2], strict=True))
     assert args["--eviction-high-watermark"] == "1.0"
     assert 0.99 <= float(args["--eviction-target"]) < 1.0
-    assert args["--eviction-sample-factor"] == "0"
+    assert "--eviction-sample-factor" not in args  # the master's default: sampled, with its carried pool
     assert plan.ssd == ()
+
+
+def test_exact_lru_stays_selectable() -> None:
+    plan = btp.plan_cluster(3_000_000, 1024, 2, working_set=43_924, sample_factor=0)
+    args = dict(zip(plan.master_args[::2], plan.master_args[1::2], strict=True))
+    assert args["--eviction-sample-factor"] == "0"
 
 
 def test_unlimited_capacity_holds_the_working_set() -> None:

@@ -66,7 +66,9 @@ class MasterConfig:
     eviction_high_watermark: float = option(0.90, "Start evicting when this fraction of the pool is used.")
     eviction_target: float = option(0.85, "Evict down to this fraction of the pool.")
     eviction_sample_factor: int = option(
-        8, "Approximate LRU: scan this many candidates per object to evict (0 = scan every object)."
+        8,
+        "Approximate LRU: scan this many candidates per object to evict (0 = scan every object); the carried "
+        "pool (eviction_pool_size) keeps small evictions near the LRU order.",
     )
     eviction_interval_s: float = option(
         0.05, "How often the eviction thread checks the watermark.", parse=parse_duration
@@ -113,6 +115,17 @@ class MasterConfig:
         "e.g. tcp://*:5557. Empty = off.",
     )
     kv_events_page_size: int = option(0, "block_size written into the BlockStored events (the engines' page size).")
+    # Sampled eviction's carried pool and bounded urgent evictions (docs/decisions/0086-eviction-pool.md)
+    eviction_pool_size: int = option(
+        256,
+        "Sampled eviction: carry up to this many of the best candidates not evicted from one eviction to the next "
+        "(re-validated before use), so that small evictions pick near-LRU victims (0 = no pool).",
+    )
+    urgent_eviction_slack: int = option(
+        32,
+        "A put that finds the pool full evicts what it needs plus about this many objects more, never the whole "
+        "way down to eviction_target (the background eviction does that).",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.eviction_target <= self.eviction_high_watermark <= 1.0:
@@ -131,3 +144,5 @@ class MasterConfig:
         check_ports(metrics_port=self.metrics_port, off=-1)
         if self.promote_after_hits < 0 or not 0 <= self.demote_max_pending <= 1 or self.tier_task_timeout_s <= 0:
             raise ValueError("promote_after_hits >= 0, 0 <= demote_max_pending <= 1, tier_task_timeout_s > 0")
+        if self.eviction_pool_size < 0 or self.urgent_eviction_slack < 0:
+            raise ValueError("eviction_pool_size and urgent_eviction_slack must be >= 0")

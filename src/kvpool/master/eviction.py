@@ -38,6 +38,11 @@ class EvictionPolicy(Protocol):
         """Keys to evict, in eviction order, whose sizes add up to at least ``bytes_to_free`` (or all)."""
         ...
 
+    def rank(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Every candidate, in eviction order (the evictor walks it while victims fail re-validation, and
+        carries the best of the rest to its next eviction)."""
+        ...
+
 
 def _take(ordered: Iterable[Candidate], bytes_to_free: int) -> list[str]:
     out: list[str] = []
@@ -52,9 +57,10 @@ def _take(ordered: Iterable[Candidate], bytes_to_free: int) -> list[str]:
 
 def _ordered(candidates: list[Candidate], key: attrgetter[float]) -> list[Candidate]:
     """Non-soft-pinned candidates first, each group sorted by ``key`` (oldest first)."""
-    plain = [c for c in candidates if not c.soft_pinned]
     pinned = [c for c in candidates if c.soft_pinned]
-    plain.sort(key=key)
+    plain = [c for c in candidates if not c.soft_pinned] if pinned else sorted(candidates, key=key)
+    if pinned:
+        plain.sort(key=key)
     if pinned:
         pinned.sort(key=key)
         plain.extend(pinned)
@@ -71,6 +77,9 @@ class LruPolicy:
             return []
         return _take(_ordered(candidates, self._key), bytes_to_free)
 
+    def rank(self, candidates: list[Candidate]) -> list[Candidate]:
+        return _ordered(candidates, self._key)
+
 
 class FifoPolicy:
     """Oldest put first, whatever the reads; soft-pinned objects last."""
@@ -81,6 +90,9 @@ class FifoPolicy:
         if bytes_to_free <= 0:
             return []
         return _take(_ordered(candidates, self._key), bytes_to_free)
+
+    def rank(self, candidates: list[Candidate]) -> list[Candidate]:
+        return _ordered(candidates, self._key)
 
 
 # The one list of eviction policies: MasterConfig.eviction's choices and --help come from it.

@@ -2,9 +2,10 @@
 
 ``MasterState`` holds one ``Evictor`` and delegates ``needs_eviction`` and ``evict`` to it. It is a separate
 object (composition, like ``TierManager``) because its state is its own: the eviction lock, the rotating shard
-cursor and the policy. What it needs of the rest it is given: the shard map and segment table to scan, the tier
-manager (demotion instead of dropping), ``drop_if`` (MasterState's re-validate-and-free of one key) and
-``count_evicted`` (the state's counters). The policy that orders victims is eviction.py.
+cursor, the carried pool of candidates and the policy. What it needs of the rest it is given: the shard map
+and segment table to scan, the tier manager (demotion instead of dropping), ``drop_if`` (MasterState's
+re-validate-and-free of one key) and ``count_evicted`` (the state's counters). The policy that orders victims
+is eviction.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvpool.master.shards import ShardMap
 from kvpool.master.tiering import TierManager
 from kvpool.master.types import EvictionReport
 
-__all__ = ["EVICTION_STEP", "MAX_EVICTION_ROUNDS", "SAMPLE_WINDOW", "EvictionWork", "Evictor"]
+__all__ = ["EVICTION_STEP", "HANDOFF_EVERY", "MAX_EVICTION_ROUNDS", "SAMPLE_WINDOW", "EvictionWork", "Evictor"]
 
 MAX_EVICTION_ROUNDS = 4
 """An eviction call samples again (from the next shards) while it has not freed enough, at most this often in
@@ -34,6 +35,8 @@ a row without freeing anything (a stepped eviction goes on while its steps make 
 
 EVICTION_STEP = 32
 """Most victims one step of a background (not urgent) sampled eviction frees under the eviction lock."""
+HANDOFF_EVERY = 2
+"""A background step with headroom hands the interpreter to waiting puts after this many victims."""
 SAMPLE_WINDOW = 64
 """Most objects a sampled pass examines in one shard per visit; the shard's next visit goes on after them
 (docs/decisions/0085-sampled-eviction.md)."""
@@ -53,6 +56,8 @@ class EvictionWork:
     """Objects dropped (demotions to the SSD tier are not counted)."""
     cpu_seconds: float
     """CPU time of the threads inside ``evict`` (not the time they waited for the interpreter lock)."""
+    urgent_calls: int = 0
+    """Calls made for a put that found the pool full (the put waited for them)."""
 
 
 DropIf = Callable[[str, Callable[[ObjectMeta], bool]], "ObjectMeta | None"]
@@ -70,6 +75,7 @@ class _Tally:
         "last_freed",
         "objects",
         "objects_held",
+        "published",
         "rounds",
         "scanned",
     )
@@ -79,6 +85,8 @@ class _Tally:
         self.rounds = self.objects = self.freed = self.scanned = self.gone_bytes = self.examined = 0
         self.last_freed = 0
         self.keys: list[str] = []
+        self.published = (0, 0, time.thread_time())
+        """(examined, objects, thread CPU time) when the counters last got this call's work."""
 
 
 class Evictor:
@@ -108,6 +116,9 @@ class Evictor:
         self._evict_cursor = rng.randrange(config.num_shards)
         self._window_starts = [0] * config.num_shards
         """Per shard: where its next sampled window starts (the position in the shard's dict order)."""
+        self._pool: list[Candidate] = []
+        """The best candidates a sampled round did not evict, best first, carried to the next round (under
+        the eviction lock; each is re-validated before it is evicted)."""
         self._work_lock = threading.Lock()
         self._work = EvictionWork(0, 0, 0, 0.0)
 
@@ -116,10 +127,21 @@ class Evictor:
         with self._work_lock:
             return self._work
 
-    def _add_work(self, examined: int, evicted: int, seconds: float) -> None:
+    def _publish(self, tally: _Tally, call_ended: bool, urgent: bool) -> None:
+        """Add the call's work since its last publication to the counters. Every round publishes, so that a
+        long background call's work shows while it runs (a benchmark's phase may end before the call does)."""
+        examined, objects, cpu = tally.published
+        now_cpu = time.thread_time()
         with self._work_lock:
             w = self._work
-            self._work = EvictionWork(w.calls + 1, w.examined + examined, w.evicted + evicted, w.cpu_seconds + seconds)
+            self._work = EvictionWork(
+                w.calls + call_ended,
+                w.examined + tally.examined - examined,
+                w.evicted + tally.objects - objects,
+                w.cpu_seconds + now_cpu - cpu,
+                w.urgent_calls + (call_ended and urgent),
+            )
+        tally.published = (tally.examined, tally.objects, now_cpu)
 
     def needs_eviction(self) -> bool:
         """used / capacity over the allocatable (OK) segments is above eviction_high_watermark."""
@@ -134,20 +156,26 @@ class Evictor:
         shard from a rotating start, one window of at most ``SAMPLE_WINDOW`` objects per shard visit, holding
         each shard lock only while copying that window's candidates, until ``eviction_sample_factor`` x
         (estimated victims) are collected (factor 0 = every object of every shard: exact LRU).
-        Phase 2 asks the policy for victims, outside every lock. Phase 3 re-validates and frees each victim
-        under its object stripe; one that was leased, touched, pinned or removed meanwhile is skipped.
+        A sampled round adds the candidates carried from the previous round (the pool, at most
+        ``eviction_pool_size``). Phase 2 asks the policy to rank them, outside every lock. Phase 3 walks that
+        order, re-validating and freeing each victim under its object stripe until enough is freed; one that
+        was leased, touched, pinned or removed meanwhile is skipped for the next; the best of the rest become
+        the pool.
         Soft-pinned objects are candidates only if allow_evict_soft_pinned (and the policy takes them last).
         With an SSD tier, a victim may be demoted instead of dropped (master/tiering.py): it counts towards
         the bytes freed but not as an eviction; ``urgent`` (a failed allocation) always frees at once.
 
         A sampled eviction that is not ``urgent`` (the maintenance thread's) works in steps of at most
         ``EVICTION_STEP`` victims and lets go of the eviction lock between steps, so that a put whose
-        allocation failed waits behind one step, not the whole eviction (docs/decisions/0085-sampled-eviction.md).
+        allocation failed waits behind one step, not the whole eviction (docs/decisions/0085-sampled-eviction.md);
+        while the pool has headroom its rounds hand the interpreter to waiting puts every ``HANDOFF_EVERY``
+        victims. An ``urgent`` call wakes the maintenance thread (docs/decisions/0086-eviction-pool.md).
         """
         started = time.perf_counter()
-        cpu_started = time.thread_time()
         to_target = bytes_to_free is None
         stepped = not urgent and self._cfg.eviction_sample_factor > 0
+        if urgent:
+            self.tiers.progress.set()  # a put waits for eviction: wake the background eviction now
         tally = _Tally(self._shards.count_objects())
         fruitless = 0
         while fruitless < MAX_EVICTION_ROUNDS:
@@ -160,12 +188,13 @@ class Evictor:
                 if need <= 0 or (not urgent and self.tiers.active and self.tiers.saturated()):
                     break  # (the demotion backlog is full: victims would only be deferred)
                 finished = self._round(need, urgent, stepped, tally)
+            self._publish(tally, False, urgent)
             if finished:
                 break
             fruitless = fruitless + 1 if tally.last_freed == 0 or not stepped else 0
         if tally.objects:
             self._count_evicted(tally.objects, tally.gone_bytes)
-        self._add_work(tally.examined, tally.objects, time.thread_time() - cpu_started)
+        self._publish(tally, True, urgent)
         return EvictionReport(tally.objects, tally.freed, tally.scanned, time.perf_counter() - started, tally.keys)
 
     def _round(self, need: int, urgent: bool, stepped: bool, tally: _Tally) -> bool:
@@ -174,32 +203,49 @@ class Evictor:
         if stepped and limit is not None:
             need = min(need, self._step_bytes(need, limit))
             limit = self._candidate_limit(need, tally.objects_held)
+        # While the pool has headroom, a background step hands the interpreter to waiting puts (a blocking
+        # call does) after its sample and every HANDOFF_EVERY victims: a put then waits for a few victims'
+        # work, not for a whole switch interval. Past the headroom line the eviction runs flat out.
+        handoff = stepped and self._has_headroom()
         now = self._clock.monotonic()
         candidates, looked_at, complete = self._collect_candidates(now, limit, tally.objects_held)
+        if handoff:
+            time.sleep(0)
         tally.rounds += 1
         tally.scanned += len(candidates)
         tally.examined += looked_at
         tally.last_freed = 0
-        if not candidates:
-            return True
+        pool, self._pool = self._pool, []
         by_key = {c.key: c for c in candidates}
         if len(by_key) != len(candidates):
             candidates = list(by_key.values())  # a shard's windows wrapped around within this round
-        skipped = 0
-        for key in self._eviction.select(candidates, need):
-            cand = by_key.get(key)
-            if cand is None:
-                continue  # a policy bug; never evict what was not offered
+        pooled = limit is not None and self._cfg.eviction_pool_size > 0
+        if pooled and pool:  # a fresh sample replaces the carried entry of its key (its last access is current)
+            candidates = [c for c in pool if c.key not in by_key] + candidates
+        if not candidates:
+            return True
+        # The policy orders every candidate: a victim that fails re-validation is replaced by the next one,
+        # and the best of the rest are carried to the next round.
+        ranked = self._eviction.rank(candidates)
+        skipped = taken = 0
+        for cand in ranked:
+            if tally.last_freed >= need:
+                break
+            taken += 1
+            if handoff and not taken % HANDOFF_EVERY:
+                time.sleep(0)
             got, gone = self._evict_one(cand, now, urgent)
             if got:
                 tally.last_freed += got
                 if gone:
                     tally.objects += 1
                     tally.gone_bytes += got
-                    tally.keys.append(key)
+                    tally.keys.append(cand.key)
             else:
                 skipped += 1
         tally.freed += tally.last_freed
+        if pooled:
+            self._pool = ranked[taken : taken + self._cfg.eviction_pool_size]
         # A full scan whose every victim was taken: nothing else is evictable.
         return complete and not skipped and tally.last_freed < need
 
@@ -215,6 +261,22 @@ class Evictor:
             capacity += seg.size
             used += seg.allocator.used
         return capacity, used
+
+    def urgent_eviction_bytes(self, need: int) -> int:
+        """What a put that found the pool full evicts: the ``need`` bytes it waits for plus a slack of about
+        ``urgent_eviction_slack`` objects, at most down to eviction_target (never the whole gap: the put
+        waits for this eviction, while the background eviction catches up with the rest)."""
+        _, used = self.allocatable_usage()
+        held = self._shards.count_objects()
+        slack = self._cfg.urgent_eviction_slack * math.ceil(used / held) if held else 0
+        return max(need, min(self.default_eviction_bytes(), need + slack))
+
+    def _has_headroom(self) -> bool:
+        """The pool is used below halfway between eviction_high_watermark and full: the background eviction
+        may hand the interpreter to waiting puts between its steps (past it, it runs flat out)."""
+        capacity, used = self.allocatable_usage()
+        used -= self.tiers.pending_bytes
+        return used < capacity * (1.0 + self._cfg.eviction_high_watermark) / 2
 
     def default_eviction_bytes(self) -> int:
         """Bytes to free to get down to eviction_target (DRAM being demoted counts as free)."""

@@ -230,7 +230,7 @@ class MasterState(MembershipMixin, ReportsMixin, FreeingMixin):
             retry = self._wait_for_demotions(client_id, keys, sizes, ctx, results, retry)
         if retry:
             need = sum(sizes[i] for i in retry)
-            self.evict(max(need, self._default_eviction_bytes()), urgent=True)
+            self.evict(self._evictor.urgent_eviction_bytes(need), urgent=True)
             for i in retry:
                 results[i] = self._put_one(client_id, keys[i], sizes[i], ctx)
         return [r if r is not None else PutStartResult(ErrorCode.NO_SPACE) for r in results]

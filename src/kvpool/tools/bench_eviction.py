@@ -7,7 +7,8 @@ high watermark, a background thread that evicts as the master's maintenance thre
 
 * The pool is filled to ``--objects`` - M objects unmeasured; the last M of those puts, unpaced, give this
   process's put rate with free space (the ceiling). The timed puts are then offered at ``--load`` x that rate
-  (open loop: each latency runs from the call's scheduled start, so a call held up by eviction counts its wait).
+  (open loop: each latency runs from the call's scheduled start, so a call held up by eviction counts its wait;
+  ``--load 0`` is the closed loop: unpaced puts, each latency the call's own duration).
 * **free**: M puts of ``--batch`` keys (one ``put_start`` + ``put_end`` each) while the pool climbs to the
   watermark: nothing is evicted.
 * **full**: M puts more cross the watermark unmeasured, then 2 M puts are timed while the pool is full and
@@ -16,14 +17,16 @@ high watermark, a background thread that evicts as the master's maintenance thre
 M = ``--measure`` (default: 5 % of the objects, at least 5,000 keys). Reported per phase: p50 and p99 of one
 put call in microseconds; the ratios full / free (the ceiling is the free phase of the same run); and from the
 master's eviction counters (``MasterState.eviction_work``): objects examined per freed object and the
-evicting thread's CPU time per freed object. Medians over ``--runs`` runs. ``--exact`` runs the exact LRU
-(``eviction_sample_factor
-0``: every object ranked on each eviction) for comparison.
+evicting thread's CPU time per freed object; puts that evicted inline; and the interpreter's full garbage
+collections in each timed phase (a pause of the whole process that the open loop turns into a p99). Medians
+over ``--runs`` runs. ``--exact`` runs the exact LRU (``eviction_sample_factor 0``: every object ranked on each
+eviction) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -63,6 +66,18 @@ class EvictionRun:
     examined_per_freed: float
     evict_us_per_freed: float
     index_objects: int
+    free_keys_per_s: float = 0.0
+    """Keys put per second in the timed free phase (the offered rate unless the process fell behind)."""
+    full_keys_per_s: float = 0.0
+    urgent_evictions: int = 0
+    """Puts of the full phase that found the pool full and evicted inline (the background had fallen behind)."""
+    free_gc_full: int = 0
+    """The interpreter's full (generation 2) garbage collections during the timed free phase: each pauses the
+    whole process for a time that grows with the objects it holds, and in the open loop delays every call
+    scheduled meanwhile, so a p99 may be theirs rather than eviction's."""
+    free_gc_max_ms: float = 0.0
+    full_gc_full: int = 0
+    full_gc_max_ms: float = 0.0
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -83,7 +98,10 @@ class _Background(threading.Thread):
         state = self._state
         ack = 0
         next_beat = 0.0
-        while not self._halt.wait(self._interval_s):
+        progress = state.tiers.progress  # set by a put that evicted inline, as the master's maintenance waits
+        while not self._halt.is_set():
+            progress.wait(self._interval_s)
+            progress.clear()
             if state.needs_eviction():
                 state.evict()
             now = time.monotonic()
@@ -95,7 +113,29 @@ class _Background(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        self._state.tiers.progress.set()
         self.join()
+
+
+class _GcWatch:
+    """Times the interpreter's full (generation 2) garbage collections (a ``gc.callbacks`` entry)."""
+
+    def __init__(self) -> None:
+        self._pauses: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._pauses.append(time.perf_counter() - self._started)
+
+    def take(self) -> list[float]:
+        """The pauses (seconds) since the last take."""
+        pauses, self._pauses = self._pauses, []
+        return pauses
 
 
 class _Writer:
@@ -143,20 +183,27 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
     if state.mount_segment(spec).code != ErrorCode.OK:
         raise RuntimeError("mount failed")
     background = _Background(state, config.eviction_interval_s)
+    gc_watch = _GcWatch()
+    gc.callbacks.append(gc_watch)
     background.start()
     try:
         writer = _Writer(state, object_bytes, batch)
         writer.put(objects - 2 * measure)
         rate = load * measure / writer.put(measure)  # the ceiling: this process's unpaced put rate
         free: list[float] = []
-        writer.put(measure, free, rate)
+        gc_watch.take()
+        free_seconds = writer.put(measure, free, rate)
+        free_gc = gc_watch.take()
         writer.put(measure, None, rate)
         before = state.eviction_work()
         full: list[float] = []
-        writer.put(2 * measure, full, rate)
+        gc_watch.take()
+        full_seconds = writer.put(2 * measure, full, rate)
+        full_gc = gc_watch.take()
         work = state.eviction_work()
     finally:
         background.stop()
+        gc.callbacks.remove(gc_watch)
     evicted = work.evicted - before.evicted
     examined = work.examined - before.examined
     seconds = work.cpu_seconds - before.cpu_seconds
@@ -176,6 +223,13 @@ def run_once(objects: int, object_bytes: int, batch: int, measure: int, exact: b
         examined_per_freed=round(examined / evicted, 2) if evicted else 0.0,
         evict_us_per_freed=round(seconds * 1e6 / evicted, 2) if evicted else 0.0,
         index_objects=state.stats().objects,
+        free_keys_per_s=round(measure / free_seconds),
+        full_keys_per_s=round(2 * measure / full_seconds),
+        urgent_evictions=work.urgent_calls - before.urgent_calls,
+        free_gc_full=len(free_gc),
+        free_gc_max_ms=round(max(free_gc, default=0.0) * 1e3, 1),
+        full_gc_full=len(full_gc),
+        full_gc_max_ms=round(max(full_gc, default=0.0) * 1e3, 1),
     )
 
 
@@ -193,7 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load",
         type=fraction,
         default=0.2,
-        help="offered put rate, as a fraction of this process's unpaced put rate with free space (0.2)",
+        help="offered put rate, as a fraction of this process's unpaced put rate with free space (0.2); "
+        "0 = closed loop: unpaced puts, each latency the call's own duration",
     )
     parser.add_argument("--exact", action="store_true", help="exact LRU (eviction_sample_factor 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -222,12 +277,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"put latency of one call of {args.batch} keys, free vs full and evicting (medians of {args.runs} runs)")
     print(
         f"  {'objects':>10}{'free p50':>10}{'free p99':>10}{'full p50':>10}{'full p99':>10}{'p50 x':>7}{'p99 x':>7}"
-        f"{'exam/freed':>12}{'us/freed':>10}"
+        f"{'exam/freed':>12}{'us/freed':>10}{'inline':>8}"
     )
     for r in results:
         print(
             f"  {r['objects']:>10,}{r['free_p50_us']:>10.1f}{r['free_p99_us']:>10.1f}{r['full_p50_us']:>10.1f}"
             f"{r['full_p99_us']:>10.1f}{r['p50_ratio']:>7.2f}{r['p99_ratio']:>7.2f}{r['examined_per_freed']:>12.1f}"
-            f"{r['evict_us_per_freed']:>10.2f}"
+            f"{r['evict_us_per_freed']:>10.2f}{r['urgent_evictions']:>8.0f}"
         )
     return 0

@@ -10,8 +10,9 @@ Why the master runs with ``--eviction-high-watermark 1.0``: by default the maste
 pool down to 85 %, so a pool of N blocks would behave like an LRU of 0.85-0.90 N blocks and trail the oracle.
 With the watermark at 1.0 eviction runs only when an allocation fails, and it frees down to a target just
 under 1.0 (``EVICT_SLACK`` of the pool, at least a few blocks, so that one eviction serves several puts
-instead of one scan per block). ``--eviction-sample-factor 0`` makes each eviction rank every object, an
-exact LRU instead of the default sampled approximation. The pool then behaves as an LRU of the requested
+instead of one scan per block). The master evicts with its default sampled LRU, whose pool of carried
+candidates picks near-LRU victims even for evictions this small (decision 0086); ``--eviction-sample-factor 0``
+makes each eviction rank every object instead (the exact LRU). The pool then behaves as an LRU of the requested
 capacity, less the slack.
 
 With ``--ssd`` each store also gets an SSD tier (``--ssd-dir`` in the cluster's temp dir, ``--ssd-size`` its
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.tools import bench_trace
-from kvpool.tools.argtypes import positive_int
+from kvpool.tools.argtypes import non_negative_int, positive_int
 from kvpool.tools.trace import BLOCK_TOKENS, Request, capacity_blocks, load_trace, simulate_global
 
 __all__ = ["ClusterPlan", "EVICT_SLACK", "TracePoolFactory", "add_arguments", "plan_cluster", "run"]
@@ -93,8 +94,10 @@ def plan_cluster(
     working_set: int,
     ssd_tokens: int | None = None,
     ssd: bool = False,
+    sample_factor: int | None = None,
 ) -> ClusterPlan:
-    """Size the cluster so that its DRAM holds ``capacity_tokens // 512`` blocks (see the module doc)."""
+    """Size the cluster so that its DRAM holds ``capacity_tokens // 512`` blocks (see the module doc).
+    ``sample_factor``: the master's ``--eviction-sample-factor`` (None: its default, sampled; 0: exact LRU)."""
     blocks = capacity_blocks(capacity_tokens)
     if blocks is None:
         blocks = int(working_set * UNLIMITED_MARGIN) + MIN_SLACK_BLOCKS
@@ -107,23 +110,17 @@ def plan_cluster(
             "needs: raise --block-bytes or --capacity"
         )
     args: tuple[str, ...]
+    sampling = () if sample_factor is None else ("--eviction-sample-factor", str(sample_factor))
     if not ssd:
         slack = max(EVICT_SLACK, MIN_SLACK_BLOCKS / blocks)
-        args = (
-            "--eviction-high-watermark",
-            "1.0",
-            "--eviction-target",
-            f"{1.0 - slack:.6f}",
-            "--eviction-sample-factor",
-            "0",
-        )
+        args = ("--eviction-high-watermark", "1.0", "--eviction-target", f"{1.0 - slack:.6f}", *sampling)
         return ClusterPlan(dram, (), args)
     ssd_blocks = capacity_blocks(ssd_tokens) if ssd_tokens is not None else working_set
     assert ssd_blocks is not None
     ssd_share = _split(int(ssd_blocks * SSD_MARGIN) + MIN_SLACK_BLOCKS * stores, stores, block_bytes)
     # The default sampled LRU: a DRAM victim is demoted, not lost, so exact ranking buys little, and a full
     # scan would also walk every SSD-only object on each pass.
-    args = (*SSD_DRAM_WATERMARKS, "--ssd-high-watermark", "1.0", "--ssd-eviction-target", "0.99")
+    args = (*SSD_DRAM_WATERMARKS, "--ssd-high-watermark", "1.0", "--ssd-eviction-target", "0.99", *sampling)
     return ClusterPlan(dram, ssd_share, args)
 
 
@@ -233,6 +230,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="SSD tier in tokens over all stores (default: the trace's working set)",
     )
+    parser.add_argument(
+        "--eviction-sample-factor",
+        type=non_negative_int,
+        default=None,
+        help="the local master's --eviction-sample-factor (default: the master's own, sampled LRU; 0 = exact LRU)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -252,7 +255,15 @@ def run(args: argparse.Namespace) -> int:
             return bench_trace.run(args)  # reports the bad trace the usual way
         ws = working_set_blocks(trace)
         try:
-            factory.plan = plan_cluster(args.capacity, args.block_bytes, args.stores, ws, args.ssd_capacity, args.ssd)
+            factory.plan = plan_cluster(
+                args.capacity,
+                args.block_bytes,
+                args.stores,
+                ws,
+                args.ssd_capacity,
+                args.ssd,
+                sample_factor=args.eviction_sample_factor,
+            )
         except ValueError as exc:
             print(f"kvpool bench trace: {exc}", file=sys.stderr)
             return 2
