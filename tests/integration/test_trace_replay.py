@@ -2,7 +2,8 @@
 
 CI replays a prefix of the synthetic trace (``PREFIX`` requests, 1 KiB blocks): the acceptance lines are the
 same as for the full trace, against the oracle computed on that prefix. The full trace runs under ``slow``
-(its figures are in docs/trace-replay.md).
+with eviction (3 M tokens of DRAM) and with the SSD tier; that an unlimited pool equals the oracle is
+checked on the prefix (the full trace's figures are in docs/trace-replay.md).
 """
 
 from __future__ import annotations
@@ -69,15 +70,13 @@ def test_small_dram_with_an_ssd_tier_reaches_the_unlimited_hit_rate(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [(), ("--capacity", "3M"), ("--capacity", "2249000", "--ssd")],
-    ids=["unlimited", "3M", "10pct-dram-ssd"],
+    [("--capacity", "3M"), ("--capacity", "2249000", "--ssd")],
+    ids=["3M", "10pct-dram-ssd"],
 )
 def test_full_trace(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]) -> None:
     r = bench(capsys, *extra, limit=None)
     target = r["oracle_unlimited_hit"] if "--ssd" in extra else r["oracle_hit"]
     assert abs(r["pool_hit"] - target) <= 0.01
-    if not extra:
-        assert r["pool_hit"] == pytest.approx(0.640, abs=0.002)
 
 
 def _working_set_tokens(limit: int) -> int:
