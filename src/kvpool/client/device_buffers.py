@@ -293,6 +293,17 @@ class DeviceBuffers:
             self._staging = self.ops.host_buffer(max(nbytes, 1 << 20))
         return self._staging
 
+    def _staging_views(self, buffers: Sequence[Buffer], cuda: dict[int, tuple[int, int]]) -> list[Buffer]:
+        """The call's buffers with each CUDA one replaced by its own slice of the pinned staging buffer
+        (called under the staging lock: the slices stay the call's until it ends)."""
+        host = self._host(sum(n for _, n in cuda.values()))
+        views: list[Buffer] = list(buffers)
+        offset = 0
+        for position, (_, nbytes) in cuda.items():
+            views[position] = host[offset : offset + nbytes]
+            offset += nbytes
+        return views
+
     def _staged_put(
         self,
         client: Any,
@@ -304,13 +315,9 @@ class DeviceBuffers:
     ) -> list[int]:
         ops = self.ops
         with self._staging_lock:
-            host = self._host(sum(n for _, n in cuda.values()))
-            views: list[Buffer] = list(buffers)
-            offset = 0
-            for position, (address, nbytes) in cuda.items():
-                views[position] = host[offset : offset + nbytes]
+            views = self._staging_views(buffers, cuda)
+            for position, (address, _) in cuda.items():
                 ops.to_host(address, views[position])
-                offset += nbytes
             ops.synchronize()
             codes: list[int] = client.batch_put_from(keys, views, config, timeout)
         self._count(GpuPath.STAGING, 0, sum(n for p, (_, n) in cuda.items() if codes[p] == 0))
@@ -326,12 +333,7 @@ class DeviceBuffers:
     ) -> list[int]:
         ops = self.ops
         with self._staging_lock:
-            host = self._host(sum(n for _, n in cuda.values()))
-            views: list[Buffer] = list(buffers)
-            offset = 0
-            for position, (_, nbytes) in cuda.items():
-                views[position] = host[offset : offset + nbytes]
-                offset += nbytes
+            views = self._staging_views(buffers, cuda)
             codes: list[int] = client.batch_get_into(keys, views, timeout)
             ops.synchronize()  # no queued kernel still reads what the copies are about to overwrite
             for position, (address, _) in cuda.items():
