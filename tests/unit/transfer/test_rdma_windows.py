@@ -19,6 +19,7 @@ from kvpool.transfer.rdma_windows import WINDOW_GRACE_MS
 from kvpool.transfer.rdma_wire import _encode, grant_to_json, qp_info_from_json, qp_info_to_json
 from kvpool.transfer.verbs import Access, Opcode, QpInfo, QueuePair, WcStatus, WorkRequest, buffer_address
 from kvpool.transfer.verbs_fake import FakeCQ, FakeFabric, FakeMR, FakeVerbs
+from kvpool.transfer.verbs_native import native_built
 
 SEG = 7
 SEG_SIZE = 1 << 20
@@ -91,14 +92,20 @@ class Rig:
         return region["addr"], region["rkey"]
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
+@pytest.fixture(params=["native", "python"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """The responder's windows bound by BIND_MW work requests through the compiled fake provider (native,
+    where the extension is built), or by the Python FAKE NIC directly."""
+    native = request.param == "native"
+    if native and not native_built():
+        pytest.skip("kvpool.transfer._verbs is not built")
     fabric = FakeFabric()
     clock = ManualClock()
     secret = new_secret()
     segment = _Segment(SEG_SIZE)
     segment.view[:] = bytes(range(256)) * (SEG_SIZE // 256)
-    responder = RdmaResponder(FakeVerbs(fabric), {SEG: segment}, {SEG: secret}, windows=True, clock=clock)
+    verbs = FakeVerbs(fabric, native=native)
+    responder = RdmaResponder(verbs, {SEG: segment}, {SEG: secret}, windows=True, clock=clock)
     assert responder.windows is not None
     yield Rig(clock, secret, segment, responder, fabric)
     responder.close()
