@@ -15,9 +15,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvpool.transfer.verbs import Access, MemoryRegion, Mtu, Opcode, QpInfo, QpState, WcStatus, WorkRequest
+from kvpool.transfer.verbs import (
+    Access,
+    MemoryRegion,
+    Mtu,
+    Opcode,
+    QpInfo,
+    QpState,
+    VerbsError,
+    WcStatus,
+    WorkRequest,
+)
 from kvpool.transfer.verbs_fake import FakeContext, FakeCQ, FakeFabric, FakeMR, FakeQP, FakeVerbs
-from kvpool.transfer.verbs_native import NativeWindow, VerbsError, WindowState, native_built, window_usable
+from kvpool.transfer.verbs_native import NativeWindow, WindowState, native_built, window_usable
 
 pytestmark = pytest.mark.skipif(not native_built(), reason="kvpool.transfer._verbs is not built (libibverbs-dev)")
 
@@ -77,6 +87,10 @@ class Store:
         return window
 
 
+def _state(window: NativeWindow) -> WindowState:
+    return window.state  # read afresh: a flush changes it
+
+
 def _store(mr_access: Access = Access.LOCAL_WRITE | Access.MW_BIND) -> Store:
     fabric = FakeFabric()
     ctx = FakeVerbs(fabric, devices=("s",), native=True).open("s")
@@ -89,7 +103,7 @@ def test_a_window_is_bound_by_a_work_request_and_usable_only_after_its_completio
     store = _store()
     link = store.link()
     window = store.bind(link)
-    assert window.state == WindowState.BINDING
+    assert _state(window) == WindowState.BINDING
     assert not window_usable(window)
     store.ctx.flush_windows()
     assert window.usable
@@ -153,7 +167,7 @@ def test_an_invalidated_window_stops_working() -> None:
     store.ctx.flush_windows()
     assert link.post(Opcode.RDMA_READ, window.addr, window.rkey, LEN) == WcStatus.SUCCESS
     window.close()  # IBV_WR_LOCAL_INV on the store's QP
-    assert window.state == WindowState.INVALIDATING
+    assert _state(window) == WindowState.INVALIDATING
     store.ctx.flush_windows()
     assert window.state == WindowState.CLOSED
     assert window.mw == 0
