@@ -558,8 +558,17 @@ class WindowBinder:
         raise NotImplementedError
 
     def post(self, qp: QueuePair, call: Callable[[], int | None]) -> int | None:
-        """Post one request (the fake's NIC then takes it)."""
+        """Post one request."""
         return call()
+
+    def before_reap(self) -> None:
+        """What must happen before completions can arrive (the fake's NIC takes what was posted)."""
+
+    def qp_alive(self, qp: QueuePair) -> bool:
+        try:
+            return bool(self.qp_handle(qp))
+        except VerbsError:
+            return False
 
     # ---- binding and invalidating
     def bind(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> NativeWindow:
@@ -619,7 +628,8 @@ class WindowBinder:
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending:
-                if not self._reap() and self._pending:
+                self.before_reap()
+                if not self._reap() and not self._forget_destroyed_qps() and self._pending:
                     if time.monotonic() > deadline:
                         raise VerbsError(
                             f"{len(self._pending)} memory-window requests not completed in {timeout:.0f} s",
@@ -660,6 +670,13 @@ class WindowBinder:
                 self._finish(completion.wr_id, completion.status)
             reaped += len(completions)
         return reaped
+
+    def _forget_destroyed_qps(self) -> int:
+        """Requests on a QP destroyed meanwhile never complete: they count as flushed (the window is unusable)."""
+        gone = [wr_id for wr_id, (window, _, _) in self._pending.items() if not self.qp_alive(window.qp)]
+        for wr_id in gone:
+            self._finish(wr_id, WcStatus.WR_FLUSH_ERR)
+        return len(gone)
 
     def _finish(self, wr_id: int, status: WcStatus) -> None:
         entry = self._pending.pop(wr_id, None)
@@ -717,6 +734,7 @@ class _FakeBinder(WindowBinder):
         super().__init__(_verbs.fake_alloc_pd(), ctx.name)
         self._ctx = ctx
         self._mrs: dict[int, int] = {}  # a FAKE MR's lkey -> the provider's ``struct ibv_mr`` for it
+        self._posted_on: dict[int, _NativeFakePosting] = {}  # QPs with requests the FAKE NIC has not taken
 
     def qp_handle(self, qp: QueuePair) -> int:
         if not isinstance(qp, _NativeFakePosting) or qp.ctx is not self._ctx or not qp.native_handle:
@@ -743,8 +761,16 @@ class _FakeBinder(WindowBinder):
         assert isinstance(qp, _NativeFakePosting)
         with self._ctx.fabric.lock:
             result = call()
-            qp.nic_takes()
+        self._posted_on[qp.qp_num] = qp
         return result
+
+    def before_reap(self) -> None:
+        """The FAKE NIC takes the QPs' recorded requests a batch at a time, as a NIC works through its queue."""
+        posted, self._posted_on = self._posted_on, {}
+        with self._ctx.fabric.lock:
+            for qp in posted.values():
+                if qp.native_handle:
+                    qp.nic_takes()
 
     def close(self) -> None:
         super().close()

@@ -233,3 +233,13 @@ def test_a_bind_on_a_destroyed_qp_is_refused_and_closing_the_context_frees_its_w
     store.ctx.close()  # the binder deallocates what is still pending
     assert pending.state == WindowState.CLOSED
     assert pending.mw == 0
+
+
+def test_a_bind_whose_qp_is_destroyed_before_it_completes_is_flushed_not_awaited() -> None:
+    store = _store()
+    link = store.link()
+    window = store.bind(link)
+    link.store_qp.close()  # before the FAKE NIC took the request: it never completes
+    store.ctx.flush_windows()  # returns at once instead of waiting out WINDOW_COMPLETION_TIMEOUT_S
+    assert _state(window) == WindowState.CLOSED
+    assert window.mw == 0
