@@ -232,10 +232,7 @@ class RdmaResponder:
                 bound.append((ErrorCode.AUTH_FAILED, [], []))
             else:
                 bound.append(self._bind(entry.qp, mrs[grant.segment_id], grant))
-        try:
-            self._ctx.flush_windows()  # every window of the batch takes effect before the answer leaves
-        except VerbsError as exc:
-            logger.warning("RDMA: window binds did not complete: %s", exc)  # not usable: refused below
+        self._flush_windows()  # every window of the batch takes effect before the answer leaves
         return [self._settle(windows, conn_id, grant, *b) for grant, b in zip(grants, bound, strict=True)]
 
     def _bind(
@@ -279,11 +276,17 @@ class RdmaResponder:
             for window in bound:
                 _close_quietly(window)
             if bound:
-                self._ctx.flush_windows()
+                self._flush_windows()
             return code, []
         for window in bound:
             windows.add(conn_id, grant.segment_id, grant.expiry_ms, window)
         return code, regions
+
+    def _flush_windows(self) -> None:
+        try:
+            self._ctx.flush_windows()
+        except VerbsError as exc:  # what did not complete is not usable: its grant gets no window
+            logger.warning("RDMA: window binds or invalidations did not complete: %s", exc)
 
     def close(self) -> None:
         with self._lock:
