@@ -25,7 +25,7 @@ from kvpool.common.grants import GrantOp, new_secret, sign
 from kvpool.proto import frames
 from kvpool.proto.frames import Op
 from kvpool.transfer.base import Replica, TransferRequest
-from kvpool.transfer.verbs import PyverbsVerbs, Verbs
+from kvpool.transfer.verbs import CompletionQueue, PyverbsVerbs, QueuePair, Verbs, WcStatus
 
 pytestmark = [
     pytest.mark.integration,
@@ -176,3 +176,113 @@ def test_real_many_small_objects(loopback: tuple[object, _Segment, bytes, str]) 
     reads = [_request(GrantOp.READ, b"p%d" % i, i * size, backs[i], secret, endpoint) for i in range(n)]
     assert transport.transfer(reads, Deadline(10.0)) == [ErrorCode.OK] * n
     assert backs == pages
+
+
+# ---- type-2 memory windows through the compiled layer (decision 0020): what the FAKE NIC models, on a real HCA
+WINDOW_AT, WINDOW_LEN = 64 * 1024, 16 * 1024
+
+
+class _WindowRig:
+    """One device, loopback: a "store" QP that binds windows over a registered segment, and "client" QPs
+    connected to store QPs of their own, each reading through its CQ."""
+
+    def __init__(self) -> None:
+        from kvpool.transfer.verbs import Access
+        from kvpool.transfer.verbs_native import NativeContext
+
+        device, port, gid_index = _device()
+        ctx = _verbs("native").open(device, port, gid_index)
+        assert isinstance(ctx, NativeContext)
+        self.ctx = ctx
+        if not ctx.supports_windows:
+            ctx.close()
+            pytest.skip(f"{device} reports no type-2 memory windows (device_cap_flags / max_mw)")
+        self.segment = _Segment(1 * MiB)
+        self.segment.view[:] = bytes(range(256)) * (MiB // 256)
+        from kvpool.transfer.verbs import buffer_address
+
+        self.seg_mr = ctx.reg_mr(buffer_address(self.segment.view), MiB, Access.LOCAL_WRITE | Access.MW_BIND)
+        self.local = _Segment(1 * MiB)
+        self.local_mr = ctx.reg_mr(buffer_address(self.local.view), MiB, Access.LOCAL_WRITE)
+        self.store_cq = ctx.create_cq(256)
+        self.closing: list[QueuePair | CompletionQueue] = []
+
+    def link(self) -> tuple[QueuePair, CompletionQueue, QueuePair]:
+        """(client QP, its CQ, the store QP it is connected to), both RTS."""
+        import secrets as random
+
+        from kvpool.transfer.verbs import Access, QpInfo
+
+        cq = self.ctx.create_cq(16)
+        client = self.ctx.create_qp(cq, 16)
+        store = self.ctx.create_qp(self.store_cq, 64)
+        port = self.ctx.port_info()
+        client.to_init(Access.LOCAL_WRITE)
+        store.to_init(Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE)
+        client_psn, store_psn = random.randbits(24), random.randbits(24)
+        client.to_rtr(QpInfo(store.qp_num, port.lid, port.gid, store_psn, port.mtu), port.mtu)
+        store.to_rtr(QpInfo(client.qp_num, port.lid, port.gid, client_psn, port.mtu), port.mtu)
+        client.to_rts(client_psn)
+        store.to_rts(store_psn)
+        self.closing += [client, store, cq]
+        return client, cq, store
+
+    def read(self, client: QueuePair, cq: CompletionQueue, addr: int, rkey: int, length: int) -> WcStatus:
+        from kvpool.transfer.verbs import Opcode, WorkRequest
+
+        client.post_send(WorkRequest(1, Opcode.RDMA_READ, self.local_mr.addr, length, self.local_mr.lkey, addr, rkey))
+        deadline = Deadline(10.0)
+        while not deadline.expired():
+            polled = cq.poll(1)
+            if polled:
+                return polled[0].status
+        pytest.fail("no completion within 10 s")
+
+    def close(self) -> None:
+        for obj in self.closing:
+            obj.close()
+        self.seg_mr.close()
+        self.local_mr.close()
+        self.store_cq.close()
+        self.ctx.close()
+
+
+@pytest.fixture
+def windows() -> Iterator[_WindowRig]:
+    rig = _WindowRig()
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
+def test_real_window_reaches_its_range_through_its_qp_only(windows: _WindowRig) -> None:
+    from kvpool.transfer.verbs import Access
+    from kvpool.transfer.verbs_native import window_usable
+
+    rig = windows
+    client, cq, store = rig.link()
+    at = rig.seg_mr.addr + WINDOW_AT
+    window = rig.ctx.bind_window(rig.seg_mr, store, at, WINDOW_LEN, Access.REMOTE_READ)
+    rig.ctx.flush_windows()
+    assert window_usable(window)
+    assert rig.read(client, cq, at, window.rkey, WINDOW_LEN) == WcStatus.SUCCESS
+    assert rig.local.view[:WINDOW_LEN] == rig.segment.view[WINDOW_AT : WINDOW_AT + WINDOW_LEN]
+    other, other_cq, _ = rig.link()  # another client's QP: the window is not bound to its store QP
+    assert rig.read(other, other_cq, at, window.rkey, WINDOW_LEN) == WcStatus.REM_ACCESS_ERR
+    beyond, beyond_cq, _ = rig.link()
+    assert rig.read(beyond, beyond_cq, at, rig.seg_mr.rkey, WINDOW_LEN) == WcStatus.REM_ACCESS_ERR  # no remote MR
+    window.close()  # IBV_WR_LOCAL_INV
+    rig.ctx.flush_windows()
+    assert rig.read(client, cq, at, window.rkey, WINDOW_LEN) == WcStatus.REM_ACCESS_ERR
+
+
+def test_real_window_refuses_a_byte_past_its_range(windows: _WindowRig) -> None:
+    from kvpool.transfer.verbs import Access
+
+    rig = windows
+    client, cq, store = rig.link()
+    at = rig.seg_mr.addr + WINDOW_AT
+    window = rig.ctx.bind_window(rig.seg_mr, store, at, WINDOW_LEN, Access.REMOTE_READ)
+    rig.ctx.flush_windows()
+    assert rig.read(client, cq, at, window.rkey, WINDOW_LEN + 1) == WcStatus.REM_ACCESS_ERR

@@ -344,6 +344,133 @@ static PyObject *modify_err(PyObject *self, PyObject *args) {
     return rc ? raise_errno(rc, "ibv_modify_qp ERR") : Py_NewRef(Py_None);
 }
 
+/* ------------------------------------------------------------------ memory windows (type 2)
+ * Decision 0020: one type-2 window per grant, bound by a work request on the store's QP to the client, so that
+ * its rkey works only through that QP, over the granted range, with the granted access. What this relies on
+ * (rdma-core 44, verbs.h and the ibv_alloc_mw / ibv_bind_mw / ibv_post_send man pages):
+ * - ibv_alloc_mw(pd, IBV_MW_TYPE_2) allocates an unbound window on the PD of the QP and the MR;
+ * - a type-2 window is bound by posting IBV_WR_BIND_MW with wr.bind_mw = {mw, rkey, bind_info {mr, addr,
+ *   length, mw_access_flags}}; the new rkey is ibv_inc_rkey(mw->rkey) (same index, next 8-bit tag); the MR
+ *   must be registered with IBV_ACCESS_MW_BIND, and a window with remote write needs local write on the MR;
+ * - the rkey may be handed to the peer only after the bind's successful completion (ibv_bind_mw NOTES);
+ * - IBV_WR_LOCAL_INV with invalidate_rkey invalidates it on the QP it is bound to; ibv_dealloc_mw unbinds
+ *   and frees it; ibv_dereg_mr fails while a window is still bound to the MR;
+ * - the device reports type-2 support in device_cap_flags (IBV_DEVICE_MEM_WINDOW_TYPE_2A / _2B) and max_mw. */
+
+/* -> (device_cap_flags, max_mw, type-2 windows supported) */
+static PyObject *query_mw(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *handle;
+    if (!PyArg_ParseTuple(args, "O", &handle)) {
+        return NULL;
+    }
+    struct ibv_device_attr attr;
+    int rc = ibv_query_device((struct ibv_context *)as_ptr(handle), &attr);
+    if (rc) {
+        return raise_errno(rc, "ibv_query_device");
+    }
+    unsigned long long caps = (unsigned long long)attr.device_cap_flags;
+    int type2 = (caps & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0 && attr.max_mw > 0;
+    return Py_BuildValue("(Kii)", caps, attr.max_mw, type2);
+}
+
+/* -> (mw, rkey): an unbound type-2 window of the PD */
+static PyObject *alloc_mw(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *handle;
+    if (!PyArg_ParseTuple(args, "O", &handle)) {
+        return NULL;
+    }
+    struct ibv_pd *pd = as_ptr(handle);
+    if (pd == NULL) {
+        return PyErr_Occurred() ? NULL : raise_errno(EBADF, "ibv_alloc_mw");
+    }
+    errno = 0;
+    struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+    if (mw == NULL) {
+        return raise_errno(errno, "ibv_alloc_mw");
+    }
+    return Py_BuildValue("(NI)", PyLong_FromVoidPtr(mw), mw->rkey);
+}
+
+static PyObject *dealloc_mw(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *handle;
+    if (!PyArg_ParseTuple(args, "O", &handle)) {
+        return NULL;
+    }
+    struct ibv_mw *mw = as_ptr(handle);
+    if (mw == NULL) {
+        return PyErr_Occurred() ? NULL : raise_errno(EBADF, "ibv_dealloc_mw");
+    }
+    int rc = ibv_dealloc_mw(mw);
+    return rc ? raise_errno(rc, "ibv_dealloc_mw") : Py_NewRef(Py_None);
+}
+
+/* post_bind_mw(qp, mw, wr_id, mr, addr, length, access) -> the window's new rkey (valid once the bind's
+ * completion is successful). Signaled; no SGE. */
+static PyObject *post_bind_mw(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qp_handle, *mw_handle, *mr_handle;
+    unsigned long long wr_id, addr, length;
+    unsigned int access;
+    if (!PyArg_ParseTuple(args, "OOKOKKI", &qp_handle, &mw_handle, &wr_id, &mr_handle, &addr, &length, &access)) {
+        return NULL;
+    }
+    struct ibv_qp *qp = as_ptr(qp_handle);
+    struct ibv_mw *mw = as_ptr(mw_handle);
+    struct ibv_mr *mr = as_ptr(mr_handle);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (qp == NULL || mw == NULL || mr == NULL || length == 0) {
+        return raise_errno(EINVAL, "post_bind_mw: a QP, a window, an MR and a length are needed");
+    }
+    uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    struct ibv_send_wr wr;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = wr_id;
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.bind_mw.mw = mw;
+    wr.bind_mw.rkey = rkey;
+    wr.bind_mw.bind_info.mr = mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = length;
+    wr.bind_mw.bind_info.mw_access_flags = access;
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send(qp, &wr, &bad);
+    if (rc) {
+        return raise_errno(rc, "ibv_post_send BIND_MW");
+    }
+    mw->rkey = rkey; /* the next bind of this window tags from here (a failed bind leaves it unusable anyway) */
+    return PyLong_FromUnsignedLong(rkey);
+}
+
+/* post_local_inv(qp, wr_id, rkey): invalidate the window with this rkey, bound to this QP. Signaled. */
+static PyObject *post_local_inv(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qp_handle;
+    unsigned long long wr_id;
+    unsigned int rkey;
+    if (!PyArg_ParseTuple(args, "OKI", &qp_handle, &wr_id, &rkey)) {
+        return NULL;
+    }
+    struct ibv_qp *qp = as_ptr(qp_handle);
+    if (qp == NULL) {
+        return PyErr_Occurred() ? NULL : raise_errno(EBADF, "post_local_inv");
+    }
+    struct ibv_send_wr wr;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = wr_id;
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.invalidate_rkey = rkey;
+    struct ibv_send_wr *bad = NULL;
+    int rc = ibv_post_send(qp, &wr, &bad);
+    return rc ? raise_errno(rc, "ibv_post_send LOCAL_INV") : Py_NewRef(Py_None);
+}
+
 /* ------------------------------------------------------------------ the hot path */
 static void fill_wr(struct ibv_send_wr *wr, struct ibv_sge *sge, uint64_t wr_id, int opcode, uint64_t laddr,
                     uint64_t length, uint64_t lkey, uint64_t raddr, uint64_t rkey) {
@@ -627,6 +754,31 @@ struct fake_qp {
     size_t recorded;
 };
 
+/* One request as the FAKE NIC reads it (WR_FIELDS uint64). READ/WRITE: wr_id, opcode, local_addr, length,
+ * lkey, remote_addr, rkey. BIND_MW: wr_id, opcode, addr, length, the MR's lkey (0: none), mw_access_flags, the
+ * new rkey. LOCAL_INV: wr_id, opcode, 0, 0, 0, 0, the rkey to invalidate. */
+static void fake_record(uint64_t *slot, const struct ibv_send_wr *wr) {
+    memset(slot, 0, WR_FIELDS * sizeof *slot);
+    slot[0] = wr->wr_id;
+    slot[1] = (uint64_t)wr->opcode;
+    if (wr->opcode == IBV_WR_BIND_MW) {
+        const struct ibv_mw_bind_info *info = &wr->bind_mw.bind_info;
+        slot[2] = info->addr;
+        slot[3] = info->length;
+        slot[4] = info->mr != NULL ? info->mr->lkey : 0;
+        slot[5] = info->mw_access_flags;
+        slot[6] = wr->bind_mw.rkey;
+    } else if (wr->opcode == IBV_WR_LOCAL_INV) {
+        slot[6] = wr->invalidate_rkey;
+    } else {
+        slot[2] = wr->sg_list[0].addr;
+        slot[3] = wr->sg_list[0].length;
+        slot[4] = wr->sg_list[0].lkey;
+        slot[5] = wr->wr.rdma.remote_addr;
+        slot[6] = wr->wr.rdma.rkey;
+    }
+}
+
 static int fake_post_send(struct ibv_qp *base, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr) {
     struct fake_qp *qp = (struct fake_qp *)base;
     for (; wr != NULL; wr = wr->next) {
@@ -638,22 +790,20 @@ static int fake_post_send(struct ibv_qp *base, struct ibv_send_wr *wr, struct ib
         } else if (qp->refusals > 0) {
             qp->refusals--;
             err = ENOMEM;
-        } else if (wr->num_sge != 1 || (wr->send_flags & IBV_SEND_SIGNALED) == 0 ||
-                   (wr->opcode != IBV_WR_RDMA_READ && wr->opcode != IBV_WR_RDMA_WRITE)) {
-            err = EINVAL; /* the fake NIC does one-sided READ and WRITE only */
+        } else if ((wr->send_flags & IBV_SEND_SIGNALED) == 0) {
+            err = EINVAL; /* the data path signals every request (sq_sig_all) */
+        } else if (wr->opcode == IBV_WR_BIND_MW) {
+            err = wr->bind_mw.mw == NULL || wr->bind_mw.mw->type != IBV_MW_TYPE_2 ? EINVAL : 0;
+        } else if (wr->opcode == IBV_WR_LOCAL_INV) {
+            err = 0;
+        } else if (wr->num_sge != 1 || (wr->opcode != IBV_WR_RDMA_READ && wr->opcode != IBV_WR_RDMA_WRITE)) {
+            err = EINVAL; /* the fake NIC does one-sided READ and WRITE, and binds and invalidates windows */
         }
         if (err) {
             *bad_wr = wr;
             return err;
         }
-        uint64_t *slot = qp->ring + qp->recorded * WR_FIELDS;
-        slot[0] = wr->wr_id;
-        slot[1] = (uint64_t)wr->opcode;
-        slot[2] = wr->sg_list[0].addr;
-        slot[3] = wr->sg_list[0].length;
-        slot[4] = wr->sg_list[0].lkey;
-        slot[5] = wr->wr.rdma.remote_addr;
-        slot[6] = wr->wr.rdma.rkey;
+        fake_record(qp->ring + qp->recorded * WR_FIELDS, wr);
         qp->recorded++;
         qp->outstanding++;
     }
@@ -683,10 +833,90 @@ static int fake_poll_cq(struct ibv_cq *base, int num_entries, struct ibv_wc *wc)
     return n;
 }
 
+/* Fake windows get rkeys from their own index range (the Python fake's MR keys stay far below it). */
+static uint32_t fake_mw_index = 0x400000;
+
+static struct ibv_mw *fake_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type type) {
+    if (type != IBV_MW_TYPE_2) {
+        errno = EINVAL; /* the fake NIC has type-2 windows only, as the store uses */
+        return NULL;
+    }
+    struct ibv_mw *mw = PyMem_RawCalloc(1, sizeof *mw);
+    if (mw == NULL) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    mw->context = pd->context;
+    mw->pd = pd;
+    mw->type = type;
+    mw->handle = fake_mw_index;
+    mw->rkey = (fake_mw_index++ & 0xffffff) << 8;
+    return mw;
+}
+
+static int fake_dealloc_mw(struct ibv_mw *mw) {
+    PyMem_RawFree(mw);
+    return 0;
+}
+
 /* One fake device context per process: the ops table is all the posting code looks at. */
 static struct ibv_context fake_context = {
-    .ops = {.post_send = fake_post_send, .poll_cq = fake_poll_cq},
+    .ops = {.post_send = fake_post_send,
+            .poll_cq = fake_poll_cq,
+            .alloc_mw = fake_alloc_mw,
+            .dealloc_mw = fake_dealloc_mw},
 };
+
+static PyObject *fake_alloc_pd(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    struct ibv_pd *pd = PyMem_Calloc(1, sizeof *pd);
+    if (pd == NULL) {
+        return PyErr_NoMemory();
+    }
+    pd->context = &fake_context;
+    return PyLong_FromVoidPtr(pd);
+}
+
+static PyObject *fake_free(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *handle;
+    if (!PyArg_ParseTuple(args, "O", &handle)) {
+        return NULL;
+    }
+    void *p = as_ptr(handle);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyMem_Free(p);
+    Py_RETURN_NONE;
+}
+
+/* fake_mr(pd, addr, length, lkey, rkey) -> the provider's view of a FAKE NIC's MR (a bind names it). */
+static PyObject *fake_mr(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *pd_handle;
+    unsigned long long addr, length;
+    unsigned int lkey, rkey;
+    if (!PyArg_ParseTuple(args, "OKKII", &pd_handle, &addr, &length, &lkey, &rkey)) {
+        return NULL;
+    }
+    struct ibv_pd *pd = as_ptr(pd_handle);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    struct ibv_mr *mr = PyMem_Calloc(1, sizeof *mr);
+    if (mr == NULL) {
+        return PyErr_NoMemory();
+    }
+    mr->context = &fake_context;
+    mr->pd = pd;
+    mr->addr = (void *)(uintptr_t)addr;
+    mr->length = (size_t)length;
+    mr->lkey = lkey;
+    mr->rkey = rkey;
+    return PyLong_FromVoidPtr(mr);
+}
 
 static PyObject *fake_create_cq(PyObject *self, PyObject *noargs) {
     (void)self;
@@ -856,6 +1086,15 @@ static PyMethodDef methods[] = {
     {"post_chunks", (PyCFunction)(void (*)(void))post_chunks, METH_FASTCALL,
      "post_chunks(qp, chunks, start, stop, first_wr_id, now_ms) -> (posted, errno, expired)."},
     {"post_list", post_list, METH_VARARGS, "post_list(qp, packed) -> (posted, errno)."},
+    {"query_mw", query_mw, METH_VARARGS, "query_mw(ctx) -> (device_cap_flags, max_mw, type2_supported)."},
+    {"alloc_mw", alloc_mw, METH_VARARGS, "alloc_mw(pd) -> (mw, rkey): an unbound type-2 memory window."},
+    {"dealloc_mw", dealloc_mw, METH_VARARGS, "dealloc_mw(mw)."},
+    {"post_bind_mw", post_bind_mw, METH_VARARGS,
+     "post_bind_mw(qp, mw, wr_id, mr, addr, length, access) -> new rkey (IBV_WR_BIND_MW, signaled)."},
+    {"post_local_inv", post_local_inv, METH_VARARGS, "post_local_inv(qp, wr_id, rkey) (IBV_WR_LOCAL_INV, signaled)."},
+    {"fake_alloc_pd", fake_alloc_pd, METH_NOARGS, "A FAKE provider's PD (its windows are the fake's)."},
+    {"fake_mr", fake_mr, METH_VARARGS, "fake_mr(pd, addr, length, lkey, rkey) -> a FAKE provider's MR."},
+    {"fake_free", fake_free, METH_VARARGS, "fake_free(handle): frees a FAKE provider's PD or MR."},
     {"poll", poll, METH_VARARGS, "poll(cq, max) -> [(wr_id, status, byte_len, vendor_err)]."},
     {"fake_create_cq", fake_create_cq, METH_NOARGS, "A FAKE provider's CQ."},
     {"fake_destroy_cq", fake_destroy_cq, METH_VARARGS, "fake_destroy_cq(cq)."},

@@ -27,8 +27,14 @@ from kvpool.transfer.rdma_wire import (
     qp_info_to_json,
 )
 from kvpool.transfer.verbs import Access, MemoryRegion, Mtu, QpInfo, QueuePair, Verbs, VerbsError, buffer_address
+from kvpool.transfer.verbs_native import window_usable
 
 logger = get_logger(__name__)
+
+WINDOW_SEND_DEPTH = 64
+"""Send queue of a store QP that binds windows: binds and invalidations in flight before a flush waits."""
+WINDOW_CQ_DEPTH = 256
+"""The store's CQ with windows: the window binder keeps what is in flight below this (an overrun CQ is fatal)."""
 
 
 # ---------------------------------------------------------------------- the store side
@@ -97,7 +103,8 @@ class RdmaResponder:
         self._mrs: dict[int, list[MemoryRegion]] = {}
         self._regions: dict[int, list[RemoteRegion]] = {}
         try:
-            self._cq = self._ctx.create_cq(16)  # store QPs post nothing; a CQ is still required
+            # Store QPs post nothing but window binds and invalidations (awaited a batch at a time).
+            self._cq = self._ctx.create_cq(WINDOW_CQ_DEPTH if self.windows is not None else 16)
             for seg_id, segment in segments.items():
                 self._register(seg_id, segment)
         except KvPoolError:
@@ -107,8 +114,10 @@ class RdmaResponder:
     def _register(self, segment_id: int, segment: SegmentMemory) -> None:
         base = buffer_address(segment.view)
         access = Access.LOCAL_WRITE
-        if self.windows is None:  # with windows, a peer reaches the segment only through a grant's window
+        if self.windows is None:
             access |= Access.REMOTE_READ | Access.REMOTE_WRITE
+        else:  # a peer reaches the segment only through a grant's window, bound to this MR
+            access |= Access.MW_BIND
         try:
             mrs = register_chunked(self._ctx, base, segment.size, access, self.max_mr_bytes)
         except VerbsError as exc:
@@ -215,25 +224,26 @@ class RdmaResponder:
             admitted = self._admitted.get(conn_id, [])
             entry = admitted[-1] if admitted else None
             mrs = {g.segment_id: list(self._mrs.get(g.segment_id, [])) for g in grants}
-        out: list[tuple[ErrorCode, list[dict[str, int]]]] = []
+        bound: list[tuple[ErrorCode, list[dict[str, int]], list[MemoryRegion]]] = []
         for grant in grants:
             if entry is None or grant.segment_id not in entry.segments:
-                out.append((ErrorCode.AUTH_FAILED, []))
+                bound.append((ErrorCode.AUTH_FAILED, [], []))
             elif grant.op == GrantOp.WRITE and not entry.writable:
-                out.append((ErrorCode.AUTH_FAILED, []))
+                bound.append((ErrorCode.AUTH_FAILED, [], []))
             else:
-                out.append(self._bind(windows, conn_id, entry.qp, mrs[grant.segment_id], grant))
-        self._ctx.flush_windows()  # every window of the batch takes effect before the answer leaves
-        return out
+                bound.append(self._bind(entry.qp, mrs[grant.segment_id], grant))
+        self._flush_windows()  # every window of the batch takes effect before the answer leaves
+        return [self._settle(windows, conn_id, grant, *b) for grant, b in zip(grants, bound, strict=True)]
 
     def _bind(
-        self, windows: WindowTable, conn_id: Hashable, qp: QueuePair, mrs: list[MemoryRegion], grant: Grant
-    ) -> tuple[ErrorCode, list[dict[str, int]]]:
-        """Windows over the grant's range, one per segment MR it crosses."""
+        self, qp: QueuePair, mrs: list[MemoryRegion], grant: Grant
+    ) -> tuple[ErrorCode, list[dict[str, int]], list[MemoryRegion]]:
+        """Windows over the grant's range, one per segment MR it crosses (usable once flushed)."""
         access = Access.REMOTE_READ if grant.op == GrantOp.READ else Access.REMOTE_WRITE
         base = mrs[0].addr if mrs else 0
         start, end = base + grant.offset, base + grant.offset + grant.length
         regions: list[dict[str, int]] = []
+        bound: list[MemoryRegion] = []
         for mr in mrs:
             lo, hi = max(start, mr.addr), min(end, mr.addr + mr.length)
             if lo >= hi:
@@ -242,12 +252,41 @@ class RdmaResponder:
                 window = self._ctx.bind_window(mr, qp, lo, hi - lo, access)
             except VerbsError as exc:
                 logger.warning("RDMA: binding a window failed: %s", exc)
-                return ErrorCode.TRANSFER_FAILED, []
-            windows.add(conn_id, grant.segment_id, grant.expiry_ms, window)
+                return ErrorCode.TRANSFER_FAILED, [], bound
+            bound.append(window)
             regions.append(RemoteRegion(grant.segment_id, lo - base, hi - lo, lo, window.rkey).to_json())
         if sum(r["length"] for r in regions) != grant.length:
-            return ErrorCode.OUT_OF_BOUNDS, []
-        return ErrorCode.OK, regions
+            return ErrorCode.OUT_OF_BOUNDS, [], bound
+        return ErrorCode.OK, regions, bound
+
+    def _settle(
+        self,
+        windows: WindowTable,
+        conn_id: Hashable,
+        grant: Grant,
+        code: ErrorCode,
+        regions: list[dict[str, int]],
+        bound: list[MemoryRegion],
+    ) -> tuple[ErrorCode, list[dict[str, int]]]:
+        """After the flush: a grant's windows are tracked and their rkeys sent only if every bind completed
+        successfully; otherwise they are invalidated and the grant gets no window."""
+        if code == ErrorCode.OK and not all(window_usable(w) for w in bound):
+            code, regions = ErrorCode.TRANSFER_FAILED, []
+        if code != ErrorCode.OK:
+            for window in bound:
+                _close_quietly(window)
+            if bound:
+                self._flush_windows()
+            return code, []
+        for window in bound:
+            windows.add(conn_id, grant.segment_id, grant.expiry_ms, window)
+        return code, regions
+
+    def _flush_windows(self) -> None:
+        try:
+            self._ctx.flush_windows()
+        except VerbsError as exc:  # what did not complete is not usable: its grant gets no window
+            logger.warning("RDMA: window binds or invalidations did not complete: %s", exc)
 
     def close(self) -> None:
         with self._lock:
@@ -284,7 +323,7 @@ class RdmaResponder:
                 raise KvPoolError(ErrorCode.SHUTTING_DOWN, "store is stopping")
             if sum(len(v) for v in self._admitted.values()) >= self.max_qps:
                 raise KvPoolError(ErrorCode.TOO_MANY_CONNECTIONS, f"{self.max_qps} RDMA connections already")
-        qp = self._ctx.create_qp(self._cq, 1)
+        qp = self._ctx.create_qp(self._cq, WINDOW_SEND_DEPTH if self.windows is not None else 1)
         try:
             access = Access.LOCAL_WRITE | Access.REMOTE_READ
             if writable:

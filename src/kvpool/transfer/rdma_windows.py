@@ -25,7 +25,7 @@ from kvpool.transfer.rdma_wire import (
     _decode,
     windows_request_to_json,
 )
-from kvpool.transfer.verbs import MemoryRegion
+from kvpool.transfer.verbs import MemoryRegion, VerbsError
 
 logger = get_logger(__name__)
 
@@ -138,8 +138,12 @@ class WindowTable:
     def _invalidate(self, windows: list[_Window]) -> None:
         for window in windows:
             _close_quietly(window.mr)
-        if windows:
-            self.flush()
+        if not windows:
+            return
+        try:
+            self.flush()  # the invalidations completed: the ranges may be reused
+        except VerbsError as exc:  # a broken device: its QPs are in error and reach nothing anyway
+            logger.warning("rdma: invalidating %d windows did not complete: %s", len(windows), exc)
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(SWEEP_INTERVAL_S):

@@ -70,6 +70,8 @@ class Access(IntFlag):
     LOCAL_WRITE = 1
     REMOTE_WRITE = 2
     REMOTE_READ = 4
+    MW_BIND = 16
+    """An MR that memory windows may be bound to (type-2 windows per grant, decision 0020)."""
 
 
 class Opcode(IntEnum):

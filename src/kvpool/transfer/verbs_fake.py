@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpool.transfer.verbs import (
     Access,
@@ -53,6 +54,9 @@ from kvpool.transfer.verbs import (
     WorkRequest,
     check_transition,
 )
+
+if TYPE_CHECKING:
+    from kvpool.transfer.verbs_native import WindowBinder
 
 _RESPONDER_STATES = frozenset({QpState.RTR, QpState.RTS, QpState.SQD})
 MAX_MSG_BYTES = 1 << 31  # a port's max_msg_sz: one work request moves at most 2 GiB
@@ -204,6 +208,8 @@ class FakeContext(DeviceContext):
         self._by_rkey: dict[int, FakeMR] = {}
         self.qps: list[FakeQP] = []
         self.closed = False
+        self._binder: WindowBinder | None = None
+        """Binds windows through the compiled fake provider (decision 0027), made at the first such bind."""
 
     @property
     def max_mr_bytes(self) -> int:
@@ -287,18 +293,70 @@ class FakeContext(DeviceContext):
     def supports_windows(self) -> bool:
         return True
 
-    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> FakeMR:
-        """A type-2 memory window: a fresh rkey over a sub-range of ``mr``, valid only through ``qp``."""
+    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> MemoryRegion:
+        """A type-2 memory window: a fresh rkey over a sub-range of ``mr``, valid only through ``qp``. On a QP
+        of the compiled fake provider it is bound by an IBV_WR_BIND_MW work request posted through it (the
+        compiled layer's window path, :class:`kvpool.transfer.verbs_native.WindowBinder`); else at once."""
+        if self.verbs.native and self._binds_by_request(qp):
+            self._check_open()
+            if self._binder is None:
+                from kvpool.transfer.verbs_native import fake_window_binder
+
+                self._binder = fake_window_binder(self)
+            return self._binder.bind(mr, qp, addr, length, access)
         with self.fabric.lock:
             self._check_open()
             if not isinstance(mr, FakeMR) or mr.ctx is not self or not mr.covers(addr, length) or length <= 0:
                 raise VerbsError(f"cannot bind a window of {length} bytes at {addr:#x}", errno.EINVAL)
+            if not mr.access & Access.MW_BIND:
+                raise VerbsError("the MR was registered without MW_BIND access", errno.EINVAL)
             if not isinstance(qp, FakeQP) or qp.ctx is not self or qp.closed:
                 raise VerbsError("the window's QP belongs to another context", errno.EINVAL)
             window = FakeMR(self, addr, length, access, 0, self.fabric.new_key())
             window.bound_qp = qp.qp_num
             self._by_rkey[window.rkey] = window
             return window
+
+    @staticmethod
+    def _binds_by_request(qp: QueuePair) -> bool:
+        """Whether ``qp`` posts through the compiled fake provider (then windows are bound by work requests)."""
+        from kvpool.transfer.verbs_native import NativeFakeQP, NativeIpcFakeQP
+
+        return isinstance(qp, NativeFakeQP | NativeIpcFakeQP)
+
+    def flush_windows(self) -> None:
+        if self._binder is not None:
+            self._binder.flush()
+
+    # ---- what the FAKE NIC does with window work requests (the compiled fake provider's BIND_MW, LOCAL_INV)
+    def bind_by_request(self, qp: FakeQP, addr: int, length: int, lkey: int, access: int, rkey: int) -> WcStatus:
+        """IBV_WR_BIND_MW posted on ``qp``: the checks an HCA makes (the MR registered with MW_BIND covers the
+        range, a writable window needs a locally writable MR, remote read/write only, a fresh rkey), then the
+        window exists for ``qp`` alone. Called with the fabric lock held."""
+        mr = self._by_lkey.get(lkey)
+        remote = Access.REMOTE_READ | Access.REMOTE_WRITE
+        if (
+            mr is None
+            or not mr.access & Access.MW_BIND
+            or length <= 0
+            or not mr.covers(addr, length)
+            or access & ~int(remote)
+            or (access & Access.REMOTE_WRITE and not mr.access & Access.LOCAL_WRITE)
+            or rkey in self._by_rkey
+        ):
+            return WcStatus.MW_BIND_ERR
+        window = FakeMR(self, addr, length, Access(access), 0, rkey)
+        window.bound_qp = qp.qp_num
+        self._by_rkey[rkey] = window
+        return WcStatus.SUCCESS
+
+    def invalidate_by_request(self, qp: FakeQP, rkey: int) -> WcStatus:
+        """IBV_WR_LOCAL_INV posted on ``qp``: the window with ``rkey``, bound to ``qp``, stops working."""
+        window = self._by_rkey.get(rkey)
+        if window is None or window.bound_qp != qp.qp_num:
+            return WcStatus.MW_BIND_ERR
+        window.close()
+        return WcStatus.SUCCESS
 
     def create_cq(self, depth: int) -> FakeCQ:
         self._check_open()
@@ -331,6 +389,9 @@ class FakeContext(DeviceContext):
         return FakeQP(self, cq, max_send_wr)
 
     def close(self) -> None:
+        binder, self._binder = self._binder, None
+        if binder is not None:  # outside the fabric lock: the binder takes its own lock first
+            binder.close()
         with self.fabric.lock:
             for qp in list(self.qps):
                 qp.close()
@@ -546,6 +607,22 @@ class FakeQP(QueuePair):
             self.cq.push(self, Completion(wr.wr_id, status, wr.length))
         else:
             self._fail(wr, status)
+
+    def run_window_request(
+        self, wr_id: int, bind: bool, addr: int, length: int, lkey: int, access: int, rkey: int
+    ) -> None:
+        """A BIND_MW (``bind``) or LOCAL_INV work request the fake provider recorded for this QP: a failed one
+        completes with MW_BIND_ERR and moves the QP to ERR, as on an HCA."""
+        if self._state == QpState.ERR:
+            self.cq.push(self, Completion(wr_id, WcStatus.WR_FLUSH_ERR))
+            return
+        if bind:
+            status = self.ctx.bind_by_request(self, addr, length, lkey, access, rkey)
+        else:
+            status = self.ctx.invalidate_by_request(self, rkey)
+        self.cq.push(self, Completion(wr_id, status))
+        if status != WcStatus.SUCCESS:
+            self.force_error()
 
     def _fail(self, wr: WorkRequest, status: WcStatus) -> None:
         self.cq.push(self, Completion(wr.wr_id, status))

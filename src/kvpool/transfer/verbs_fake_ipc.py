@@ -240,10 +240,11 @@ class IpcFakeContext(FakeContext):
             self.publish()
         return mr
 
-    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> FakeMR:
+    def bind_window(self, mr: MemoryRegion, qp: QueuePair, addr: int, length: int, access: Access) -> MemoryRegion:
         return super().bind_window(mr, qp, addr, length, access)  # visible to peers at flush_windows()
 
     def flush_windows(self) -> None:
+        super().flush_windows()  # the binds and invalidations posted through the fake provider completed
         self.publish()
 
     def forget_mr(self, mr: FakeMR) -> None:

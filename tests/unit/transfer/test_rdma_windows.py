@@ -19,6 +19,7 @@ from kvpool.transfer.rdma_windows import WINDOW_GRACE_MS
 from kvpool.transfer.rdma_wire import _encode, grant_to_json, qp_info_from_json, qp_info_to_json
 from kvpool.transfer.verbs import Access, Opcode, QpInfo, QueuePair, WcStatus, WorkRequest, buffer_address
 from kvpool.transfer.verbs_fake import FakeCQ, FakeFabric, FakeMR, FakeVerbs
+from kvpool.transfer.verbs_native import native_built
 
 SEG = 7
 SEG_SIZE = 1 << 20
@@ -56,6 +57,7 @@ class Rig:
     segment: _Segment
     responder: RdmaResponder
     fabric: FakeFabric
+    native: bool = False
 
     def grant(self, op: GrantOp, offset: int, length: int, ttl_ms: int = 5000) -> Grant:
         expiry = self.clock.wall_ms() + ttl_ms
@@ -91,16 +93,22 @@ class Rig:
         return region["addr"], region["rkey"]
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
+@pytest.fixture(params=["native", "python"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """The responder's windows bound by BIND_MW work requests through the compiled fake provider (native,
+    where the extension is built), or by the Python FAKE NIC directly."""
+    native = request.param == "native"
+    if native and not native_built():
+        pytest.skip("kvpool.transfer._verbs is not built")
     fabric = FakeFabric()
     clock = ManualClock()
     secret = new_secret()
     segment = _Segment(SEG_SIZE)
     segment.view[:] = bytes(range(256)) * (SEG_SIZE // 256)
-    responder = RdmaResponder(FakeVerbs(fabric), {SEG: segment}, {SEG: secret}, windows=True, clock=clock)
+    verbs = FakeVerbs(fabric, native=native)
+    responder = RdmaResponder(verbs, {SEG: segment}, {SEG: secret}, windows=True, clock=clock)
     assert responder.windows is not None
-    yield Rig(clock, secret, segment, responder, fabric)
+    yield Rig(clock, secret, segment, responder, fabric, native)
     responder.close()
 
 
@@ -110,6 +118,21 @@ def test_a_window_reaches_exactly_the_granted_range(rig: Rig) -> None:
     addr, rkey = rig.window("c1", grant)
     assert peer.post(Opcode.RDMA_READ, addr, rkey, 8192) == WcStatus.SUCCESS
     assert bytes(peer.buf[:8192]) == bytes(rig.segment.view[4096 : 4096 + 8192])
+
+
+def test_a_bind_the_nic_fails_gets_no_window(rig: Rig) -> None:
+    if not rig.native:
+        pytest.skip("the Python FAKE NIC binds at once, without a work request that could fail")
+    grant = rig.grant(GrantOp.READ, 4096, 8192)
+    peer = rig.connect("c1", grant)
+    addr, rkey = rig.window("c1", grant)
+    assert peer.post(Opcode.RDMA_READ, addr, rkey, 8193) == WcStatus.REM_ACCESS_ERR  # the store's QP goes to ERR
+    bound = rig.responder.windows.bound if rig.responder.windows else 0
+    ((code, regions),) = rig.responder.bind_windows("c1", [rig.grant(GrantOp.READ, 0, 4096)])
+    assert code == ErrorCode.TRANSFER_FAILED  # the bind completed with WR_FLUSH_ERR: no rkey leaves
+    assert regions == []
+    assert rig.responder.windows is not None
+    assert rig.responder.windows.bound == bound
 
 
 @pytest.mark.parametrize(("shift", "length"), [(8192, 1), (-1, 2), (0, 8193)], ids=["after", "before", "longer"])
