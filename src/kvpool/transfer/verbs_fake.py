@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvpool.transfer.verbs import (
     Access,
@@ -58,6 +58,7 @@ from kvpool.transfer.verbs import (
 if TYPE_CHECKING:
     from kvpool.transfer.verbs_native import WindowBinder
 
+_MrT = TypeVar("_MrT", bound="FakeMR")
 _RESPONDER_STATES = frozenset({QpState.RTR, QpState.RTS, QpState.SQD})
 MAX_MSG_BYTES = 1 << 31  # a port's max_msg_sz: one work request moves at most 2 GiB
 
@@ -226,23 +227,29 @@ class FakeContext(DeviceContext):
     def port_info(self) -> PortInfo:
         return PortInfo(lid=self.lid, gid=self.gid, mtu=self.verbs.mtu)
 
+    def _admit_mr(self, length: int) -> None:
+        """What the device refuses for any MR (held under the fabric lock): one over max_mr_size, and an
+        injected pinning failure."""
+        if length > self.max_mr_bytes:
+            raise VerbsError(f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}", errno.EINVAL)
+        faults = self.fabric.faults
+        if faults.reg_mr_failures > 0:
+            faults.reg_mr_failures -= 1
+            raise VerbsError("cannot pin memory (injected; as with a small memlock ulimit)", errno.ENOMEM)
+
+    def _record_mr(self, mr: _MrT) -> _MrT:
+        self._by_lkey[mr.lkey] = mr
+        self._by_rkey[mr.rkey] = mr
+        return mr
+
     def reg_mr(self, address: int, length: int, access: Access) -> FakeMR:
         with self.fabric.lock:
             self._check_open()
             if length <= 0 or address <= 0:
                 raise VerbsError(f"cannot register {length} bytes at {address:#x}", errno.EINVAL)
-            if length > self.max_mr_bytes:
-                raise VerbsError(
-                    f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}", errno.EINVAL
-                )
-            faults = self.fabric.faults
-            if faults.reg_mr_failures > 0:
-                faults.reg_mr_failures -= 1
-                raise VerbsError("cannot pin memory (injected; as with a small memlock ulimit)", errno.ENOMEM)
+            self._admit_mr(length)
             mr = FakeMR(self, address, length, access, self.fabric.new_key(), self.fabric.new_key())
-            self._by_lkey[mr.lkey] = mr
-            self._by_rkey[mr.rkey] = mr
-            return mr
+            return self._record_mr(mr)
 
     def reg_dmabuf_mr(self, fd: int, offset: int, length: int, iova: int, access: Access) -> FakeDmabufMR:
         """A dma-buf MR: the fake maps the dma-buf (any mappable fd, e.g. a memfd standing in for GPU memory)
@@ -260,20 +267,11 @@ class FakeContext(DeviceContext):
                 raise VerbsError(
                     f"cannot register {length} bytes at offset {offset} of a dma-buf of {size}", errno.EINVAL
                 )
-            if length > self.max_mr_bytes:
-                raise VerbsError(
-                    f"MR of {length} bytes exceeds the device's max_mr_size {self.max_mr_bytes}", errno.EINVAL
-                )
-            faults = self.fabric.faults
-            if faults.reg_mr_failures > 0:
-                faults.reg_mr_failures -= 1
-                raise VerbsError("cannot pin memory (injected; as with a small memlock ulimit)", errno.ENOMEM)
+            self._admit_mr(length)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)  # holds the dma-buf as the real MR does
             mr = FakeDmabufMR(self, iova, length, access, self.fabric.new_key(), self.fabric.new_key())
             mr.attach(mapping, offset)
-            self._by_lkey[mr.lkey] = mr
-            self._by_rkey[mr.rkey] = mr
-            return mr
+            return self._record_mr(mr)
 
     def forget_mr(self, mr: FakeMR) -> None:
         with self.fabric.lock:
