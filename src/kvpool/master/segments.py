@@ -205,10 +205,7 @@ class Segment:
         new copy. Such a range is held while another is taken, then given back (unused, no notification).
         """
         allocator = self.allocator
-        offset = allocator.allocate(size)
-        if offset is None or not self.store.free_pending(self.id, offset, key):
-            return offset
-        held = [offset]
+        held: list[int] = []
         try:
             while True:  # each pass holds one more range, so this ends when the segment is full at the latest
                 offset = allocator.allocate(size)
